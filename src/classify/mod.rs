@@ -1,0 +1,479 @@
+//! Deciding which outcomes of an attempt are failures, and which failures are worth a retry.
+//!
+//! [`DefaultClassifier`] implements the table below, in this order (the first row that matches
+//! decides). The Retry-After ceiling (a wait too long to honour) and the request's replay
+//! safety are judged by the policy and the retry loop, not here.
+//!
+//! | condition | verdict |
+//! |---|---|
+//! | inner service error before a response head | retry, [`FailureClass::Transport`] |
+//! | 2xx | success |
+//! | `x-should-retry: true` / `false` | obeyed, whatever the status |
+//! | 429 whose body says the quota or spend limit is exhausted | no retry, [`FailureClass::QuotaExhausted`] |
+//! | 408, 409, 429, 500–599 | retry; 529 or an `overloaded_error` body → [`FailureClass::Overloaded`] |
+//! | 401 | no retry, [`FailureClass::Unauthorized`] (an auth layer refreshes once) |
+//! | 400 or 413 context overflow | no retry, [`FailureClass::ContextOverflow`] |
+//! | any other status | no retry, returned as is |
+//!
+//! To change a decision, wrap the default:
+//!
+//! ```
+//! use tower_llm_retry::classify::{Classify, Classification, DefaultClassifier, FailureClass};
+//!
+//! /// Also retries 404s, which one flaky gateway sends while it warms up.
+//! #[derive(Debug, Clone, Default)]
+//! struct RetryNotFound(DefaultClassifier);
+//!
+//! impl Classify for RetryNotFound {
+//!     fn classify_response(&self, head: &http::response::Parts, body: Option<&[u8]>) -> Classification {
+//!         if head.status == http::StatusCode::NOT_FOUND {
+//!             return Classification::retry(FailureClass::Client);
+//!         }
+//!         self.0.classify_response(head, body)
+//!     }
+//!
+//!     fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
+//!         self.0.classify_error(error)
+//!     }
+//! }
+//! ```
+
+mod error_body;
+pub mod headers;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use http::StatusCode;
+
+use self::error_body::{body_signal, BodySignal};
+
+/// The HTTP status Anthropic uses for "overloaded".
+pub const STATUS_OVERLOADED: u16 = 529;
+
+/// What went wrong with one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureClass {
+    /// No response head: connect error, reset, timeout, incomplete message.
+    Transport,
+    /// 408 Request Timeout.
+    Timeout,
+    /// 409 Conflict.
+    Conflict,
+    /// 429 Too Many Requests (a rate limit, not an exhausted quota).
+    RateLimited,
+    /// 529, or any error whose body says `overloaded_error`.
+    Overloaded,
+    /// Any other 5xx.
+    Server,
+    /// A 429 whose body says the quota or spend limit is exhausted.
+    QuotaExhausted,
+    /// 401 Unauthorized.
+    Unauthorized,
+    /// The prompt, or the prompt plus `max_tokens`, does not fit the context window.
+    ContextOverflow,
+    /// Any other 4xx.
+    Client,
+    /// A status outside 2xx, 4xx and 5xx that a classifier chose to call a failure.
+    Other,
+}
+
+impl FailureClass {
+    /// A short, stable, lower-case name, used as the `error.type` of tracing spans.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FailureClass::Transport => "transport",
+            FailureClass::Timeout => "timeout",
+            FailureClass::Conflict => "conflict",
+            FailureClass::RateLimited => "rate_limited",
+            FailureClass::Overloaded => "overloaded",
+            FailureClass::Server => "server",
+            FailureClass::QuotaExhausted => "quota_exhausted",
+            FailureClass::Unauthorized => "unauthorized",
+            FailureClass::ContextOverflow => "context_overflow",
+            FailureClass::Client => "client",
+            FailureClass::Other => "other",
+        }
+    }
+
+    /// The class a status gets when nothing else (headers, body) says more.
+    pub fn from_status(status: StatusCode) -> Option<Self> {
+        Some(match status.as_u16() {
+            200..=299 => return None,
+            STATUS_OVERLOADED => FailureClass::Overloaded,
+            408 => FailureClass::Timeout,
+            409 => FailureClass::Conflict,
+            429 => FailureClass::RateLimited,
+            401 => FailureClass::Unauthorized,
+            500..=599 => FailureClass::Server,
+            400..=499 => FailureClass::Client,
+            _ => FailureClass::Other,
+        })
+    }
+}
+
+impl fmt::Display for FailureClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The verdict on one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Classification {
+    class: Option<FailureClass>,
+    retryable: bool,
+    retry_after: Option<Duration>,
+}
+
+impl Classification {
+    /// The attempt succeeded.
+    pub const fn success() -> Self {
+        Classification {
+            class: None,
+            retryable: false,
+            retry_after: None,
+        }
+    }
+
+    /// The attempt failed and may be retried.
+    pub const fn retry(class: FailureClass) -> Self {
+        Classification {
+            class: Some(class),
+            retryable: true,
+            retry_after: None,
+        }
+    }
+
+    /// The attempt failed and must not be retried.
+    pub const fn fail(class: FailureClass) -> Self {
+        Classification {
+            class: Some(class),
+            retryable: false,
+            retry_after: None,
+        }
+    }
+
+    /// Records the wait the server asked for.
+    pub const fn with_retry_after(mut self, retry_after: Option<Duration>) -> Self {
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// The failure class, or `None` for a success.
+    pub const fn class(&self) -> Option<FailureClass> {
+        self.class
+    }
+
+    /// Whether the attempt succeeded.
+    pub const fn is_success(&self) -> bool {
+        self.class.is_none()
+    }
+
+    /// Whether the attempt failed in a way worth retrying.
+    pub const fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// The wait the server asked for, if any.
+    pub const fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
+/// Judges the outcome of one attempt.
+///
+/// The retry loop calls [`Classify::wants_body`] with each response head; when it answers
+/// true, up to the peek limit (64 KiB by default) of the body is read and handed to
+/// [`Classify::classify_response`]. The caller still receives the whole body, byte for byte.
+pub trait Classify: Send + Sync + 'static {
+    /// Judges a response.
+    fn classify_response(
+        &self,
+        head: &http::response::Parts,
+        body: Option<&[u8]>,
+    ) -> Classification;
+
+    /// Judges an error of the inner service (no response head was received).
+    fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification;
+
+    /// Whether the start of the body is needed to judge this response. Defaults to true for
+    /// 4xx and 5xx statuses.
+    fn wants_body(&self, head: &http::response::Parts) -> bool {
+        head.status.is_client_error() || head.status.is_server_error()
+    }
+
+    /// Whether this error proves the request never reached the server (the connection was
+    /// refused, or a service said so with [`RequestNotSent`]). Only such failures are retried
+    /// for requests marked [`NotReplaySafe`](crate::NotReplaySafe).
+    fn request_not_sent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
+        request_not_sent(error)
+    }
+}
+
+impl<C: Classify + ?Sized> Classify for Arc<C> {
+    fn classify_response(
+        &self,
+        head: &http::response::Parts,
+        body: Option<&[u8]>,
+    ) -> Classification {
+        (**self).classify_response(head, body)
+    }
+    fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
+        (**self).classify_error(error)
+    }
+    fn wants_body(&self, head: &http::response::Parts) -> bool {
+        (**self).wants_body(head)
+    }
+    fn request_not_sent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
+        (**self).request_not_sent(error)
+    }
+}
+
+/// The wall clock the classifier reads to turn an HTTP-date `Retry-After` into a wait.
+pub type WallClock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+
+/// The classifier for LLM APIs described in the [module docs](self).
+#[derive(Clone)]
+pub struct DefaultClassifier {
+    clock: Option<WallClock>,
+}
+
+impl DefaultClassifier {
+    /// A classifier reading the system clock.
+    pub fn new() -> Self {
+        DefaultClassifier { clock: None }
+    }
+
+    /// Uses `clock` instead of the system clock for HTTP-date `Retry-After` values, so tests
+    /// can fix "now".
+    pub fn with_clock(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        DefaultClassifier {
+            clock: Some(Arc::new(clock)),
+        }
+    }
+
+    fn now(&self) -> SystemTime {
+        match &self.clock {
+            Some(clock) => clock(),
+            None => SystemTime::now(),
+        }
+    }
+}
+
+impl Default for DefaultClassifier {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for DefaultClassifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DefaultClassifier")
+            .field("custom_clock", &self.clock.is_some())
+            .finish()
+    }
+}
+
+impl Classify for DefaultClassifier {
+    fn classify_response(
+        &self,
+        head: &http::response::Parts,
+        body: Option<&[u8]>,
+    ) -> Classification {
+        let status = head.status;
+        if status.is_success() {
+            return Classification::success();
+        }
+        let retry_after = headers::parse_retry_after(&head.headers, self.now());
+        let signal = body.map_or(BodySignal::Other, body_signal);
+        let class = match FailureClass::from_status(status) {
+            Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
+                if signal == BodySignal::Overloaded =>
+            {
+                FailureClass::Overloaded
+            }
+            Some(FailureClass::RateLimited) if signal == BodySignal::QuotaExhausted => {
+                FailureClass::QuotaExhausted
+            }
+            Some(FailureClass::Client) if signal == BodySignal::ContextOverflow => {
+                FailureClass::ContextOverflow
+            }
+            Some(class) => class,
+            None => FailureClass::Other,
+        };
+        let verdict = match headers::parse_should_retry(&head.headers) {
+            Some(true) => Classification::retry(class),
+            Some(false) => Classification::fail(class),
+            None => match class {
+                FailureClass::Timeout
+                | FailureClass::Conflict
+                | FailureClass::RateLimited
+                | FailureClass::Overloaded
+                | FailureClass::Server => Classification::retry(class),
+                _ => Classification::fail(class),
+            },
+        };
+        verdict.with_retry_after(retry_after)
+    }
+
+    fn classify_error(&self, _error: &(dyn std::error::Error + 'static)) -> Classification {
+        Classification::retry(FailureClass::Transport)
+    }
+}
+
+/// An error a service may return (anywhere in its source chain) to say the request was never
+/// sent, so even a request marked [`NotReplaySafe`](crate::NotReplaySafe) may be retried.
+#[derive(Debug, Default)]
+pub struct RequestNotSent {
+    _priv: (),
+}
+
+impl RequestNotSent {
+    /// Creates the marker error.
+    pub fn new() -> Self {
+        RequestNotSent { _priv: () }
+    }
+}
+
+impl fmt::Display for RequestNotSent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("request was not sent")
+    }
+}
+
+impl std::error::Error for RequestNotSent {}
+
+/// The default test of [`Classify::request_not_sent`]: somewhere in the source chain, a
+/// [`RequestNotSent`], an I/O error `ConnectionRefused`, or a hyper-util legacy client error
+/// raised while connecting (before any byte of the request was written).
+pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<RequestNotSent>() {
+            return true;
+        }
+        if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
+            if client.is_connect() {
+                return true;
+            }
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        next = e.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(status: u16, headers: &[(&str, &str)]) -> http::response::Parts {
+        let mut b = http::Response::builder().status(status);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    fn classify(status: u16, headers: &[(&str, &str)], body: &str) -> Classification {
+        DefaultClassifier::new().classify_response(&head(status, headers), Some(body.as_bytes()))
+    }
+
+    #[test]
+    fn status_table() {
+        use FailureClass::*;
+        let cases: &[(u16, Option<FailureClass>, bool)] = &[
+            (200, None, false),
+            (204, None, false),
+            (408, Some(Timeout), true),
+            (409, Some(Conflict), true),
+            (429, Some(RateLimited), true),
+            (500, Some(Server), true),
+            (502, Some(Server), true),
+            (503, Some(Server), true),
+            (504, Some(Server), true),
+            (529, Some(Overloaded), true),
+            (401, Some(Unauthorized), false),
+            (400, Some(Client), false),
+            (403, Some(Client), false),
+            (404, Some(Client), false),
+            (413, Some(Client), false),
+            (422, Some(Client), false),
+            (304, Some(Other), false),
+        ];
+        for &(status, class, retry) in cases {
+            let c = classify(status, &[], "");
+            assert_eq!(c.class(), class, "status {status}");
+            assert_eq!(c.is_retryable(), retry, "status {status}");
+        }
+    }
+
+    #[test]
+    fn should_retry_header_overrides() {
+        let c = classify(503, &[("x-should-retry", "false")], "");
+        assert!(!c.is_retryable());
+        assert_eq!(c.class(), Some(FailureClass::Server));
+        let c = classify(400, &[("x-should-retry", "true")], "");
+        assert!(c.is_retryable());
+        assert_eq!(c.class(), Some(FailureClass::Client));
+        // Never on a success.
+        assert!(classify(200, &[("x-should-retry", "true")], "").is_success());
+    }
+
+    #[test]
+    fn bodies_refine_the_class() {
+        let c = classify(
+            429,
+            &[],
+            r#"{"error":{"type":"insufficient_quota","code":"insufficient_quota"}}"#,
+        );
+        assert_eq!(c.class(), Some(FailureClass::QuotaExhausted));
+        assert!(!c.is_retryable());
+        let c = classify(
+            500,
+            &[],
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+        );
+        assert_eq!(c.class(), Some(FailureClass::Overloaded));
+        assert!(c.is_retryable());
+        let c = classify(
+            400,
+            &[],
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 1 + 2 > 3"}}"#,
+        );
+        assert_eq!(c.class(), Some(FailureClass::ContextOverflow));
+        assert!(!c.is_retryable());
+    }
+
+    #[test]
+    fn retry_after_is_carried() {
+        let c = classify(429, &[("retry-after", "7")], "");
+        assert_eq!(c.retry_after(), Some(Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn http_date_uses_injected_clock() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let c = DefaultClassifier::with_clock(move || now).classify_response(
+            &head(429, &[("retry-after", "Thu, 01 Jan 2026 00:00:05 GMT")]),
+            None,
+        );
+        assert_eq!(c.retry_after(), Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn not_sent_detection() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(request_not_sent(&refused));
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(!request_not_sent(&reset));
+        assert!(request_not_sent(&RequestNotSent::new()));
+    }
+}

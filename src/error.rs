@@ -1,0 +1,358 @@
+//! The crate's error type and the record of failed attempts.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::StatusCode;
+
+use crate::classify::FailureClass;
+
+/// A type-erased error, as used by tower and hyper.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The error returned by the services of this crate.
+///
+/// It is opaque: ask [`Error::kind`] (or the `is_*` helpers) what happened, walk
+/// [`std::error::Error::source`] for the underlying cause, and read [`Error::trail`] for
+/// every attempt that was made. Its `Display` and `Debug` output never contain request
+/// headers or bodies, so it is safe to log.
+pub struct Error {
+    inner: Box<Inner>,
+}
+
+struct Inner {
+    kind: ErrorKind,
+    source: Option<BoxError>,
+    trail: Option<RetryTrail>,
+}
+
+/// What kind of failure an [`Error`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The inner service failed on every allowed attempt. The source is the last failure and
+    /// [`Error::trail`] lists them all.
+    Exhausted,
+    /// The inner service failed and the failure was not retried: the classifier judged it not
+    /// retryable, or the request was marked not replay-safe and may have reached the server.
+    Service,
+    /// The request body grew past the buffering cap while it was read. Nothing was sent.
+    BodyTooLarge,
+    /// Reading the request body failed. Nothing was sent.
+    BodyRead,
+    /// The cancellation token fired while a retry was pending. No further attempt was made.
+    Cancelled,
+    /// The fleet's retry budget refused a retry of a failed attempt.
+    BudgetExhausted,
+    /// A credential could not be obtained or refreshed.
+    TokenRefresh,
+    /// A response body went quiet for longer than the idle timeout.
+    IdleTimeout,
+    /// Every model of a fallback chain was overloaded.
+    FallbackExhausted,
+}
+
+impl ErrorKind {
+    /// A short, stable, lower-case name, used as the `error.type` of tracing spans.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ErrorKind::Exhausted => "exhausted",
+            ErrorKind::Service => "service",
+            ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::BodyRead => "body_read",
+            ErrorKind::Cancelled => "cancelled",
+            ErrorKind::BudgetExhausted => "budget_exhausted",
+            ErrorKind::TokenRefresh => "token_refresh",
+            ErrorKind::IdleTimeout => "idle_timeout",
+            ErrorKind::FallbackExhausted => "fallback_exhausted",
+        }
+    }
+
+    fn description(&self) -> &'static str {
+        match self {
+            ErrorKind::Exhausted => "every allowed attempt failed",
+            ErrorKind::Service => "the inner service failed and the failure was not retried",
+            ErrorKind::BodyTooLarge => "request body exceeds the buffering limit",
+            ErrorKind::BodyRead => "failed to read the request body",
+            ErrorKind::Cancelled => "request cancelled before it could be retried",
+            ErrorKind::BudgetExhausted => "retry budget exhausted",
+            ErrorKind::TokenRefresh => "failed to obtain a credential",
+            ErrorKind::IdleTimeout => "response body idle timeout",
+            ErrorKind::FallbackExhausted => "every fallback model was overloaded",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind) -> Self {
+        Error {
+            inner: Box::new(Inner {
+                kind,
+                source: None,
+                trail: None,
+            }),
+        }
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.inner.source = Some(source.into());
+        self
+    }
+
+    pub(crate) fn with_trail(mut self, trail: RetryTrail) -> Self {
+        self.inner.trail = Some(trail);
+        self
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.inner.kind
+    }
+
+    /// Every failed attempt that led to this error, when any attempt was made.
+    pub fn trail(&self) -> Option<&RetryTrail> {
+        self.inner.trail.as_ref()
+    }
+
+    /// Takes the underlying cause out of this error, for callers that want to inspect
+    /// or downcast it by value.
+    pub fn into_source(self) -> Option<BoxError> {
+        self.inner.source
+    }
+
+    /// Returns true for [`ErrorKind::Exhausted`].
+    pub fn is_exhausted(&self) -> bool {
+        self.kind() == ErrorKind::Exhausted
+    }
+
+    /// Returns true for [`ErrorKind::Service`].
+    pub fn is_service(&self) -> bool {
+        self.kind() == ErrorKind::Service
+    }
+
+    /// Returns true for [`ErrorKind::BodyTooLarge`].
+    pub fn is_body_too_large(&self) -> bool {
+        self.kind() == ErrorKind::BodyTooLarge
+    }
+
+    /// Returns true for [`ErrorKind::BodyRead`].
+    pub fn is_body_read(&self) -> bool {
+        self.kind() == ErrorKind::BodyRead
+    }
+
+    /// Returns true for [`ErrorKind::Cancelled`].
+    pub fn is_cancelled(&self) -> bool {
+        self.kind() == ErrorKind::Cancelled
+    }
+
+    /// Returns true for [`ErrorKind::BudgetExhausted`].
+    pub fn is_budget_exhausted(&self) -> bool {
+        self.kind() == ErrorKind::BudgetExhausted
+    }
+
+    /// Returns true for [`ErrorKind::TokenRefresh`].
+    pub fn is_token_refresh(&self) -> bool {
+        self.kind() == ErrorKind::TokenRefresh
+    }
+
+    /// Returns true for [`ErrorKind::IdleTimeout`].
+    pub fn is_idle_timeout(&self) -> bool {
+        self.kind() == ErrorKind::IdleTimeout
+    }
+
+    /// Returns true for [`ErrorKind::FallbackExhausted`].
+    pub fn is_fallback_exhausted(&self) -> bool {
+        self.kind() == ErrorKind::FallbackExhausted
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("tower_llm_retry::Error");
+        d.field("kind", &self.inner.kind);
+        if let Some(source) = &self.inner.source {
+            d.field("source", source);
+        }
+        if let Some(trail) = &self.inner.trail {
+            d.field("attempts", &trail.attempts().len());
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.inner.kind.description())?;
+        if let Some(trail) = &self.inner.trail {
+            let n = trail.attempts().len();
+            if n > 0 {
+                write!(f, " ({n} failed attempt{})", if n == 1 { "" } else { "s" })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.inner
+            .source
+            .as_ref()
+            .map(|e| &**e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Formats an error and its chain of sources as `outer: inner: innermost`.
+pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut next = err.source();
+    while let Some(e) = next {
+        let s = e.to_string();
+        // Many error types repeat their source in their own message; skip exact repeats.
+        if !out.ends_with(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        next = e.source();
+    }
+    out
+}
+
+/// Why the retry loop stopped on a failed attempt instead of trying again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GiveUpReason {
+    /// The classifier judged the last failure not retryable.
+    NotRetryable,
+    /// The policy's maximum number of retries was reached.
+    MaxRetries,
+    /// The server asked for a wait longer than the policy's Retry-After ceiling.
+    RetryAfterTooLong,
+    /// The request was marked not replay-safe and may have reached the server.
+    NotReplaySafe,
+    /// The policy's limit of consecutive overloads was reached.
+    MaxConsecutiveOverloads,
+    /// The fleet's retry budget refused the retry.
+    Budget,
+    /// The cancellation token fired.
+    Cancelled,
+}
+
+/// One failed attempt, as recorded in a [`RetryTrail`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct AttemptRecord {
+    /// Which attempt this was: 0 for the first, 1 for the first retry, and so on.
+    pub attempt: u32,
+    /// How the failure was classified.
+    pub class: FailureClass,
+    /// The response status, when the attempt got a response.
+    pub status: Option<StatusCode>,
+    /// The wait the server asked for, when it sent a valid `Retry-After`.
+    pub retry_after: Option<Duration>,
+    /// The sleep taken after this attempt, when it was retried.
+    pub delay: Option<Duration>,
+    /// The error and its sources (`outer: inner`), when the attempt failed without a response.
+    pub error: Option<String>,
+    /// Time from the start of the logical request to the end of this attempt.
+    pub elapsed: Duration,
+}
+
+/// Every failed attempt of one logical request, oldest first.
+///
+/// Attached as a response extension to every response for which at least one attempt failed,
+/// and carried by [`Error::trail`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RetryTrail {
+    attempts: Vec<AttemptRecord>,
+    gave_up: Option<GiveUpReason>,
+    total_attempts: u32,
+}
+
+impl RetryTrail {
+    pub(crate) fn push(&mut self, record: AttemptRecord) {
+        self.attempts.push(record);
+    }
+
+    pub(crate) fn last_mut(&mut self) -> Option<&mut AttemptRecord> {
+        self.attempts.last_mut()
+    }
+
+    pub(crate) fn set_gave_up(&mut self, reason: GiveUpReason) {
+        self.gave_up = Some(reason);
+    }
+
+    pub(crate) fn set_total_attempts(&mut self, n: u32) {
+        self.total_attempts = n;
+    }
+
+    /// The failed attempts, oldest first.
+    pub fn attempts(&self) -> &[AttemptRecord] {
+        &self.attempts
+    }
+
+    /// Why the loop stopped on a failure, or `None` when the last attempt succeeded.
+    pub fn gave_up(&self) -> Option<GiveUpReason> {
+        self.gave_up
+    }
+
+    /// How many physical attempts were made in all, successful or not.
+    pub fn total_attempts(&self) -> u32 {
+        self.total_attempts
+    }
+
+    /// How many retries were made (attempts after the first).
+    pub fn retries(&self) -> u32 {
+        self.total_attempts.saturating_sub(1)
+    }
+
+    /// The sum of the sleeps taken between attempts.
+    pub fn total_delay(&self) -> Duration {
+        self.attempts.iter().filter_map(|a| a.delay).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_is_send_sync_static() {
+        fn assert_bounds<T: Send + Sync + 'static + std::error::Error>() {}
+        assert_bounds::<Error>();
+    }
+
+    #[test]
+    fn display_and_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let err = Error::new(ErrorKind::Exhausted).with_source(io);
+        assert_eq!(err.to_string(), "every allowed attempt failed");
+        assert!(err.is_exhausted());
+        let src = std::error::Error::source(&err).unwrap();
+        assert_eq!(src.to_string(), "reset by peer");
+    }
+
+    #[test]
+    fn chain_skips_repeats() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl fmt::Display for Outer {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("connect failed")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Outer(std::io::Error::other("refused"));
+        assert_eq!(error_chain(&e), "connect failed: refused");
+    }
+}

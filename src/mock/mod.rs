@@ -1,0 +1,72 @@
+//! A fault-injecting fake LLM provider for testing retry stacks.
+//!
+//! [`MockServer`] is a real HTTP/1 server on `127.0.0.1` that answers each
+//! request according to a [`Script`]: realistic Anthropic and OpenAI success
+//! and error bodies, rate limits with `retry-after`, overload, delays,
+//! connections reset or stalled before or during the response, and
+//! server-sent event streams that fail part-way.
+//!
+//! Every request is recorded with its arrival time, so tests can assert how
+//! often and how far apart a client retried.
+//!
+//! # Time
+//!
+//! The server runs on the runtime that starts it and waits only with
+//! [`tokio::time`]. Run it on the same current-thread runtime as the client
+//! under test with time paused (`#[tokio::test(start_paused = true)]`) and
+//! scripted delays, retry back-off and timeouts all take virtual time:
+//! a test of a one-minute back-off finishes in milliseconds, and the
+//! measured gaps between requests are exact.
+//!
+//! # Example
+//!
+//! ```
+//! use bytes::Bytes;
+//! use http_body_util::{BodyExt, Full};
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::TokioExecutor;
+//! use tower_llm_retry::mock::{MockServer, Reply, Script};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let server = MockServer::start(
+//!     Script::new()
+//!         .then(Reply::overloaded())
+//!         .then(Reply::rate_limited("3"))
+//!         .otherwise(Reply::success()),
+//! )
+//! .await?;
+//!
+//! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+//! let request = || {
+//!     http::Request::post(server.uri("/v1/messages"))
+//!         .header("content-type", "application/json")
+//!         .body(Full::from(r#"{"model":"claude-test","max_tokens":16}"#))
+//! };
+//!
+//! let response = client.request(request()?).await?;
+//! assert_eq!(response.status(), 529);
+//!
+//! let response = client.request(request()?).await?;
+//! assert_eq!(response.status(), 429);
+//! assert_eq!(response.headers()["retry-after"], "3");
+//!
+//! let response = client.request(request()?).await?;
+//! assert_eq!(response.status(), 200);
+//! let body = response.into_body().collect().await?.to_bytes();
+//! let message: serde_json::Value = serde_json::from_slice(&body)?;
+//! assert_eq!(message["content"][0]["text"], "Hello!");
+//! assert_eq!(message["model"], "claude-test");
+//!
+//! assert_eq!(server.request_count(), 3);
+//! # Ok(())
+//! # }
+//! ```
+
+mod json;
+mod script;
+mod server;
+pub mod sse;
+
+pub use self::script::{Capacity, Reply, Script, SseEvent};
+pub use self::server::{MockServer, RecordedRequest};

@@ -1,0 +1,542 @@
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::StatusCode;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::json::{array, object, Null};
+
+/// What the server does with each request it receives.
+///
+/// A script is a queue of [`Reply`] steps, consumed one per request in
+/// arrival order, followed by a fallback reply used once the steps run out.
+/// An optional [`Capacity`] limiter runs in front of the steps: a request it
+/// rejects is answered with `429` and does not consume a step.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_llm_retry::mock::{Capacity, Reply, Script};
+///
+/// // Two failures, then success for every request after that.
+/// let script = Script::new()
+///     .then(Reply::overloaded())
+///     .then(Reply::rate_limited("1").delay(Duration::from_millis(50)))
+///     .otherwise(Reply::success());
+///
+/// // At most 5 requests per second, with bursts of up to 2.
+/// let limited = Script::new().capacity(Capacity::token_bucket(5.0, 2));
+/// # drop((script, limited));
+/// ```
+#[derive(Clone, Debug)]
+pub struct Script {
+    pub(super) steps: VecDeque<Reply>,
+    pub(super) otherwise: Reply,
+    pub(super) capacity: Option<Capacity>,
+}
+
+impl Script {
+    /// Creates an empty script: every request gets [`Reply::success`].
+    pub fn new() -> Self {
+        Self {
+            steps: VecDeque::new(),
+            otherwise: Reply::success(),
+            capacity: None,
+        }
+    }
+
+    /// Creates a script that answers every request with `reply`.
+    pub fn always(reply: Reply) -> Self {
+        Self::new().otherwise(reply)
+    }
+
+    /// Appends a step; steps are consumed one per request, in order.
+    pub fn then(mut self, reply: Reply) -> Self {
+        self.steps.push_back(reply);
+        self
+    }
+
+    /// Sets the reply used once all steps have been consumed.
+    ///
+    /// Defaults to [`Reply::success`].
+    pub fn otherwise(mut self, reply: Reply) -> Self {
+        self.otherwise = reply;
+        self
+    }
+
+    /// Puts a capacity limiter in front of the steps.
+    ///
+    /// Requests the limiter rejects are answered with `429` and do not
+    /// consume a step.
+    pub fn capacity(mut self, limiter: Capacity) -> Self {
+        self.capacity = Some(limiter);
+        self
+    }
+}
+
+impl Default for Script {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A capacity limiter that models a provider's rate limit.
+///
+/// Requests it rejects get `429 Too Many Requests` with a `retry-after`
+/// header and an Anthropic `rate_limit_error` body.
+#[derive(Clone, Debug)]
+pub struct Capacity {
+    rate_per_sec: f64,
+    burst: u32,
+}
+
+impl Capacity {
+    /// A token bucket holding up to `burst` tokens, refilled at
+    /// `rate_per_sec` tokens per second; each request takes one token.
+    ///
+    /// The bucket starts full. When it is empty the request is rejected with
+    /// `retry-after` set to the whole number of seconds until the next token,
+    /// rounded up and at least `1`. Refill follows [`tokio::time::Instant`],
+    /// so it respects paused and advanced time in tests.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `rate_per_sec` is not a finite positive number or `burst`
+    /// is zero.
+    pub fn token_bucket(rate_per_sec: f64, burst: u32) -> Capacity {
+        assert!(
+            rate_per_sec.is_finite() && rate_per_sec > 0.0,
+            "token bucket rate must be a finite positive number, got {rate_per_sec}"
+        );
+        assert!(burst > 0, "token bucket burst must be at least 1");
+        Capacity {
+            rate_per_sec,
+            burst,
+        }
+    }
+
+    pub(super) fn bucket(&self) -> TokenBucket {
+        TokenBucket {
+            rate_per_sec: self.rate_per_sec,
+            burst: f64::from(self.burst),
+            tokens: f64::from(self.burst),
+            // Set on first use so the bucket follows the clock of the runtime
+            // that serves requests, not of whoever built the script.
+            refilled_at: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct TokenBucket {
+    rate_per_sec: f64,
+    burst: f64,
+    tokens: f64,
+    refilled_at: Option<Instant>,
+}
+
+impl TokenBucket {
+    /// Takes a token, or returns the reply rejecting the request.
+    pub(super) fn acquire(&mut self, now: Instant) -> Result<(), Reply> {
+        if let Some(last) = self.refilled_at {
+            let elapsed = now.saturating_duration_since(last).as_secs_f64();
+            self.tokens = (self.tokens + elapsed * self.rate_per_sec).min(self.burst);
+        }
+        self.refilled_at = Some(now);
+
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            return Ok(());
+        }
+        let wait = (1.0 - self.tokens) / self.rate_per_sec;
+        let retry_after = wait.ceil().max(1.0);
+        Err(Reply::anthropic_error(
+            429,
+            "rate_limit_error",
+            "Number of requests has exceeded your rate limit. Please try again later.",
+        )
+        .header(RETRY_AFTER.as_str(), &format!("{retry_after:.0}")))
+    }
+}
+
+/// A scripted response, or a scripted failure to respond.
+///
+/// Builders such as [`Reply::success`] and [`Reply::anthropic_error`] produce
+/// realistic provider responses; [`Reply::reset`], [`Reply::stall`] and the
+/// `*_mid_body` variants produce transport failures.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub(super) status: StatusCode,
+    pub(super) headers: Vec<(HeaderName, HeaderValue)>,
+    pub(super) payload: Payload,
+    pub(super) delay: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub(super) enum Payload {
+    Full(Bytes),
+    /// Resolved per request, since the right shape depends on the path.
+    Success,
+    Stream {
+        events: Vec<SseEvent>,
+        end: End,
+    },
+    Reset,
+    Stall,
+}
+
+/// How a streamed body ends once its events have been written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum End {
+    Finish,
+    Reset,
+    Stall,
+}
+
+impl Reply {
+    /// A response with the given status and an empty body.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `code` is not a valid HTTP status code.
+    pub fn status(code: u16) -> Self {
+        Self {
+            status: status(code),
+            headers: Vec::new(),
+            payload: Payload::Full(Bytes::new()),
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Adds a response header.
+    ///
+    /// Calling it again with the same name adds another value rather than
+    /// replacing the first, so duplicate headers can be scripted.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `name` or `value` is not a valid header name or value.
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .unwrap_or_else(|e| panic!("invalid header name {name:?}: {e}"));
+        let value = HeaderValue::from_str(value)
+            .unwrap_or_else(|e| panic!("invalid header value {value:?}: {e}"));
+        self.headers.push((name, value));
+        self
+    }
+
+    /// Replaces the response body.
+    ///
+    /// Has no effect on [`Reply::reset`] and [`Reply::stall`], which never
+    /// send a response.
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        if !matches!(self.payload, Payload::Reset | Payload::Stall) {
+            self.payload = Payload::Full(body.into());
+        }
+        self
+    }
+
+    /// Replaces the response body with `value` and sets
+    /// `content-type: application/json`.
+    ///
+    /// Has no effect on [`Reply::reset`] and [`Reply::stall`].
+    pub fn json(self, value: Value) -> Self {
+        self.json_text(value.to_string())
+    }
+
+    fn json_text(self, text: String) -> Self {
+        self.body(text).content_type("application/json")
+    }
+
+    /// Waits `d` before sending the response head (or before resetting or
+    /// stalling the connection).
+    ///
+    /// The wait uses [`tokio::time::sleep`], so it is virtual under paused
+    /// time.
+    pub fn delay(mut self, d: Duration) -> Self {
+        self.delay = d;
+        self
+    }
+
+    /// A `200` with a realistic JSON body for the request's path.
+    ///
+    /// Paths ending in `/chat/completions` get an OpenAI `chat.completion`;
+    /// every other path gets an Anthropic `message`. Both echo the `model`
+    /// field of a JSON request body when there is one.
+    pub fn success() -> Self {
+        Self {
+            payload: Payload::Success,
+            ..Self::status(200)
+        }
+        .content_type("application/json")
+    }
+
+    /// An Anthropic error response:
+    /// `{"type":"error","error":{"type":error_type,"message":message}}`.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn anthropic_error(status: u16, error_type: &str, message: &str) -> Self {
+        Self::status(status).json_text(anthropic_error_body(error_type, message))
+    }
+
+    /// An OpenAI error response:
+    /// `{"error":{"message":message,"type":code,"param":null,"code":code}}`.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn openai_error(status: u16, code: &str, message: &str) -> Self {
+        let body = object! {
+            "error": object! {
+                "message": message,
+                "type": code,
+                "param": Null,
+                "code": code,
+            },
+        };
+        Self::status(status).json_text(body.into_string())
+    }
+
+    /// `529` with an Anthropic `overloaded_error` body.
+    pub fn overloaded() -> Self {
+        Self::anthropic_error(529, "overloaded_error", "Overloaded")
+    }
+
+    /// `429` with an Anthropic `rate_limit_error` body and `retry-after` set
+    /// to `retry_after` verbatim (delta-seconds, an HTTP date, or anything
+    /// else worth testing a parser against).
+    ///
+    /// # Panics
+    ///
+    /// Panics if `retry_after` is not a valid header value.
+    pub fn rate_limited(retry_after: &str) -> Self {
+        Self::anthropic_error(
+            429,
+            "rate_limit_error",
+            "Number of requests has exceeded your rate limit. Please try again later.",
+        )
+        .header(RETRY_AFTER.as_str(), retry_after)
+    }
+
+    /// Reads the request, then closes the connection without responding.
+    ///
+    /// Clients see the connection closed before the response began.
+    pub fn reset() -> Self {
+        Self {
+            payload: Payload::Reset,
+            ..Self::status(200)
+        }
+    }
+
+    /// Reads the request and never responds; the connection stays open
+    /// until the server shuts down.
+    pub fn stall() -> Self {
+        Self {
+            payload: Payload::Stall,
+            ..Self::status(200)
+        }
+    }
+
+    /// Sends the head and `first`, then aborts the connection.
+    ///
+    /// The body is sent chunked, so clients see the body fail part-way.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn reset_mid_body(status: u16, first: impl Into<Bytes>) -> Self {
+        Self::streamed(status, vec![SseEvent::raw(first)], End::Reset)
+    }
+
+    /// Sends the head and `first`, then never sends anything more; the
+    /// connection stays open until the server shuts down.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn stall_mid_body(status: u16, first: impl Into<Bytes>) -> Self {
+        Self::streamed(status, vec![SseEvent::raw(first)], End::Stall)
+    }
+
+    /// A `200` `text/event-stream` response writing each event as its own
+    /// frame, after that event's [delay](SseEvent::after).
+    pub fn sse(events: Vec<SseEvent>) -> Self {
+        Self::event_stream(events, End::Finish)
+    }
+
+    /// Like [`Reply::sse`], but aborts the connection after the last event
+    /// instead of ending the body.
+    pub fn sse_then_reset(events: Vec<SseEvent>) -> Self {
+        Self::event_stream(events, End::Reset)
+    }
+
+    /// Like [`Reply::sse`], but never ends the body after the last event;
+    /// the connection stays open until the server shuts down.
+    pub fn sse_then_stall(events: Vec<SseEvent>) -> Self {
+        Self::event_stream(events, End::Stall)
+    }
+
+    fn event_stream(events: Vec<SseEvent>, end: End) -> Self {
+        Self::streamed(200, events, end)
+            .content_type("text/event-stream")
+            .header("cache-control", "no-cache")
+    }
+
+    fn streamed(status: u16, events: Vec<SseEvent>, end: End) -> Self {
+        Self {
+            payload: Payload::Stream { events, end },
+            ..Self::status(status)
+        }
+    }
+
+    fn content_type(mut self, value: &'static str) -> Self {
+        self.headers.retain(|(name, _)| name != CONTENT_TYPE);
+        self.headers
+            .push((CONTENT_TYPE, HeaderValue::from_static(value)));
+        self
+    }
+}
+
+fn status(code: u16) -> StatusCode {
+    StatusCode::from_u16(code).unwrap_or_else(|e| panic!("invalid status code {code}: {e}"))
+}
+
+pub(super) fn anthropic_error_body(error_type: &str, message: &str) -> String {
+    object! {
+        "type": "error",
+        "error": object! {
+            "type": error_type,
+            "message": message,
+        },
+    }
+    .into_string()
+}
+
+/// One server-sent event, written to the body as a single frame.
+#[derive(Clone)]
+pub struct SseEvent {
+    bytes: Bytes,
+    pub(super) delay: Duration,
+}
+
+impl SseEvent {
+    /// An event with an `event:` name: `"event: {event}\ndata: {data}\n\n"`.
+    ///
+    /// Multi-line `data` is split into one `data:` line per line, as the
+    /// event-stream format requires.
+    pub fn new(event: &str, data: &str) -> Self {
+        let mut buf = BytesMut::new();
+        buf.put_slice(b"event: ");
+        buf.put_slice(event.as_bytes());
+        buf.put_u8(b'\n');
+        put_data(&mut buf, data);
+        Self::raw(buf.freeze())
+    }
+
+    /// An unnamed event: `"data: {data}\n\n"`.
+    ///
+    /// Multi-line `data` is split into one `data:` line per line.
+    pub fn data(data: &str) -> Self {
+        let mut buf = BytesMut::new();
+        put_data(&mut buf, data);
+        Self::raw(buf.freeze())
+    }
+
+    /// A frame of arbitrary bytes, for malformed or partial events.
+    pub fn raw(bytes: impl Into<Bytes>) -> Self {
+        Self {
+            bytes: bytes.into(),
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Waits `d` before writing this event.
+    ///
+    /// The wait starts once the previous frame (or the response head) has
+    /// been handed to the connection, and uses [`tokio::time::sleep`].
+    pub fn after(mut self, d: Duration) -> Self {
+        self.delay = d;
+        self
+    }
+
+    /// The bytes written for this event.
+    pub fn bytes(&self) -> Bytes {
+        self.bytes.clone()
+    }
+}
+
+impl fmt::Debug for SseEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SseEvent")
+            .field("bytes", &String::from_utf8_lossy(&self.bytes))
+            .field("delay", &self.delay)
+            .finish()
+    }
+}
+
+fn put_data(buf: &mut BytesMut, data: &str) {
+    for line in data.split('\n') {
+        buf.put_slice(b"data: ");
+        buf.put_slice(line.as_bytes());
+        buf.put_u8(b'\n');
+    }
+    buf.put_u8(b'\n');
+}
+
+/// The default `200` body for a request to `path`.
+pub(super) fn success_body(path: &str, request_body: &[u8], index: usize) -> Bytes {
+    let model = serde_json::from_slice::<Value>(request_body)
+        .ok()
+        .and_then(|v| v.get("model")?.as_str().map(str::to_owned));
+
+    let body = if path.ends_with("/chat/completions") {
+        object! {
+            "id": format!("chatcmpl-mock{index}"),
+            "object": "chat.completion",
+            "created": CREATED,
+            "model": model.as_deref().unwrap_or(OPENAI_MODEL),
+            "choices": array![object! {
+                "index": 0,
+                "message": object! {
+                    "role": "assistant",
+                    "content": "Hello!",
+                    "refusal": Null,
+                },
+                "logprobs": Null,
+                "finish_reason": "stop",
+            }],
+            "usage": object! {
+                "prompt_tokens": 10,
+                "completion_tokens": 2,
+                "total_tokens": 12,
+            },
+        }
+    } else {
+        object! {
+            "id": format!("msg_mock{index}"),
+            "type": "message",
+            "role": "assistant",
+            "model": model.as_deref().unwrap_or(ANTHROPIC_MODEL),
+            "content": array![object! {"type": "text", "text": "Hello!"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": Null,
+            "usage": object! {
+                "input_tokens": 10,
+                "output_tokens": 2,
+            },
+        }
+    };
+    Bytes::from(body.into_string())
+}
+
+// Fixed so that responses are reproducible byte for byte.
+pub(super) const CREATED: u64 = 1_700_000_000;
+pub(super) const ANTHROPIC_MODEL: &str = "claude-mock";
+pub(super) const OPENAI_MODEL: &str = "gpt-mock";

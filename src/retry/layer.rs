@@ -1,0 +1,146 @@
+use std::fmt;
+use std::sync::Arc;
+
+use http::HeaderName;
+use tokio_util::sync::CancellationToken;
+use tower_layer::Layer;
+
+use super::{Retry, RetryObserver, RetryPolicy};
+use crate::body::DEFAULT_BODY_LIMIT;
+use crate::classify::DefaultClassifier;
+
+/// The default bound on how much of an error body is read to classify it.
+pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
+
+/// Applies [`Retry`] to a service: buffers each request body once and retries failed
+/// attempts of LLM API calls. See the [module docs](crate::retry).
+#[derive(Clone)]
+#[must_use]
+pub struct RetryLayer<C = DefaultClassifier> {
+    pub(crate) config: Config<C>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Config<C> {
+    pub(crate) policy: RetryPolicy,
+    pub(crate) classifier: C,
+    pub(crate) body_limit: usize,
+    pub(crate) peek_limit: usize,
+    pub(crate) cancel: Option<CancellationToken>,
+    pub(crate) observer: Option<Arc<dyn RetryObserver>>,
+    pub(crate) attempt_header: Option<HeaderName>,
+}
+
+impl RetryLayer {
+    /// A layer with the [default policy](RetryPolicy::default) and the
+    /// [default classifier](DefaultClassifier).
+    pub fn new() -> Self {
+        RetryLayer {
+            config: Config {
+                policy: RetryPolicy::default(),
+                classifier: DefaultClassifier::new(),
+                body_limit: DEFAULT_BODY_LIMIT,
+                peek_limit: DEFAULT_PEEK_LIMIT,
+                cancel: None,
+                observer: None,
+                attempt_header: None,
+            },
+        }
+    }
+}
+
+impl Default for RetryLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C> RetryLayer<C> {
+    /// The retry policy. Defaults to [`RetryPolicy::default`].
+    pub fn policy(mut self, policy: RetryPolicy) -> Self {
+        self.config.policy = policy;
+        self
+    }
+
+    /// The classifier that judges each attempt. Defaults to [`DefaultClassifier`].
+    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2> {
+        let c = self.config;
+        RetryLayer {
+            config: Config {
+                policy: c.policy,
+                classifier,
+                body_limit: c.body_limit,
+                peek_limit: c.peek_limit,
+                cancel: c.cancel,
+                observer: c.observer,
+                attempt_header: c.attempt_header,
+            },
+        }
+    }
+
+    /// The most request-body bytes buffered for replay. A body whose size hint says up front
+    /// that it is larger is passed through once, unbuffered and never retried; one that only
+    /// turns out larger while it is read fails with
+    /// [`ErrorKind::BodyTooLarge`](crate::ErrorKind::BodyTooLarge) before anything is sent.
+    /// Defaults to 32 MiB, Anthropic's request limit.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.config.body_limit = bytes;
+        self
+    }
+
+    /// The most bytes of an error response body read to classify it. The caller still
+    /// receives the whole body. Defaults to 64 KiB.
+    pub fn peek_limit(mut self, bytes: usize) -> Self {
+        self.config.peek_limit = bytes;
+        self
+    }
+
+    /// A shutdown signal: once `token` is cancelled, pending retries end at once with
+    /// [`ErrorKind::Cancelled`](crate::ErrorKind::Cancelled) and no new retry starts.
+    /// Attempts already in flight are left to finish. Defaults to none.
+    pub fn cancellation(mut self, token: CancellationToken) -> Self {
+        self.config.cancel = Some(token);
+        self
+    }
+
+    /// Hooks called on every retry, recovery and give-up. Defaults to none.
+    pub fn observer(mut self, observer: impl RetryObserver) -> Self {
+        self.config.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Sends the attempt number (0 for the first attempt, then 1, 2, …) in this request
+    /// header, as the official SDKs do with `x-stainless-retry-count`. Defaults to none.
+    pub fn attempt_header(mut self, name: HeaderName) -> Self {
+        self.config.attempt_header = Some(name);
+        self
+    }
+}
+
+impl<S, C: Clone> Layer<S> for RetryLayer<C> {
+    type Service = Retry<S, C>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Retry::from_config(inner, Arc::new(self.config.clone()))
+    }
+}
+
+impl<C: fmt::Debug> fmt::Debug for RetryLayer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl<C: fmt::Debug> fmt::Debug for Config<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("policy", &self.policy)
+            .field("classifier", &self.classifier)
+            .field("body_limit", &self.body_limit)
+            .field("peek_limit", &self.peek_limit)
+            .field("cancellation", &self.cancel.is_some())
+            .field("observer", &self.observer.is_some())
+            .field("attempt_header", &self.attempt_header)
+            .finish()
+    }
+}

@@ -1,0 +1,529 @@
+//! How many times to retry and how long to wait.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// The environment variable [`RetryPolicy::from_env`] reads.
+pub const ENV_MAX_RETRIES: &str = "LLM_MAX_RETRIES";
+
+/// How many retries, how long to wait before each, and what to do with a server's
+/// `Retry-After`.
+///
+/// Backoff before retry `n` (1-based) is `min(initial · multiplier^(n−1), max)`, then jittered.
+/// When the failed response carried a `Retry-After`, the wait is that value instead, clamped to
+/// `[retry_after_min, retry_after_max]`; a value above `retry_after_max` is handled as
+/// [`AboveCeiling`] says.
+///
+/// | preset | retries | backoff | jitter | Retry-After |
+/// |---|---|---|---|---|
+/// | [`default`](RetryPolicy::default) | 10 | 0.5 s → 32 s | +0–25 % | honoured up to 60 s; above, give up and return the response |
+/// | [`sdk_compatible`](RetryPolicy::sdk_compatible) | 2 | 0.5 s → 8 s | ×0.75–1 | honoured when 0 < x ≤ 60 s; otherwise the backoff is used |
+/// | [`patient`](RetryPolicy::patient) | 12 (13 attempts) | 5 s → 60 s | ±25 % | clamped to [5 s, 60 s] |
+/// | [`interactive`](RetryPolicy::interactive) | 3 | 0.5 s → 8 s | +0–25 % | honoured up to 20 s; above, give up |
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    max_retries: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    multiplier: f64,
+    jitter: Jitter,
+    retry_after_min: Duration,
+    retry_after_max: Duration,
+    above_ceiling: AboveCeiling,
+    ignore_zero_retry_after: bool,
+    backoff_is_floor: bool,
+    max_consecutive_overloads: Option<u32>,
+    random: Random,
+}
+
+/// What to do when a server asks for a wait above the policy's `retry_after_max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AboveCeiling {
+    /// Stop retrying and return the response: a server cannot park a client for hours.
+    GiveUp,
+    /// Ignore the value and wait the computed backoff instead (the official SDKs do this).
+    UseBackoff,
+    /// Wait `retry_after_max`.
+    Clamp,
+}
+
+/// How the computed backoff is randomised. Jitter only ever changes the sleep.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Jitter {
+    mode: JitterMode,
+    fraction: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JitterMode {
+    None,
+    Add,
+    Subtract,
+    Symmetric,
+}
+
+/// A configuration value was out of range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    message: String,
+}
+
+impl ConfigError {
+    fn new(message: impl Into<String>) -> Self {
+        ConfigError {
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Jitter {
+    /// No jitter: every sleep is exactly the computed backoff.
+    pub const fn none() -> Self {
+        Jitter {
+            mode: JitterMode::None,
+            fraction: 0.0,
+        }
+    }
+
+    /// `backoff × (1 + U[0, fraction])`. The default uses 0.25.
+    pub fn add(fraction: f64) -> Result<Self, ConfigError> {
+        Self::checked(JitterMode::Add, fraction)
+    }
+
+    /// `backoff × (1 − U[0, fraction])`. The official SDKs use 0.25.
+    pub fn subtract(fraction: f64) -> Result<Self, ConfigError> {
+        Self::checked(JitterMode::Subtract, fraction)
+    }
+
+    /// `backoff × (1 + U[−fraction, fraction])`.
+    pub fn symmetric(fraction: f64) -> Result<Self, ConfigError> {
+        Self::checked(JitterMode::Symmetric, fraction)
+    }
+
+    fn checked(mode: JitterMode, fraction: f64) -> Result<Self, ConfigError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(ConfigError::new(format!(
+                "jitter fraction must be within [0, 1], got {fraction}"
+            )));
+        }
+        Ok(Jitter { mode, fraction })
+    }
+
+    const fn known(mode: JitterMode, fraction: f64) -> Self {
+        Jitter { mode, fraction }
+    }
+
+    /// The factor the backoff is multiplied by, for a uniform sample `u` in `[0, 1)`.
+    fn factor(&self, u: f64) -> f64 {
+        match self.mode {
+            JitterMode::None => 1.0,
+            JitterMode::Add => 1.0 + u * self.fraction,
+            JitterMode::Subtract => 1.0 - u * self.fraction,
+            JitterMode::Symmetric => 1.0 + (2.0 * u - 1.0) * self.fraction,
+        }
+    }
+}
+
+/// The source of the uniform samples behind jitter.
+///
+/// Defaults to the thread-local generator; tests give a seeded one, or a fixed value, to assert
+/// exact sleeps.
+#[derive(Clone)]
+pub struct Random {
+    source: Option<Arc<dyn Fn() -> f64 + Send + Sync>>,
+}
+
+impl Random {
+    /// The thread-local generator of the `rand` crate.
+    pub fn thread_rng() -> Self {
+        Random { source: None }
+    }
+
+    /// A deterministic generator seeded with `seed`, shared by every clone of this value.
+    pub fn seeded(seed: u64) -> Self {
+        let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(seed)));
+        Random::from_fn(move || {
+            let mut rng = rng.lock().unwrap_or_else(|e| e.into_inner());
+            rng.random::<f64>()
+        })
+    }
+
+    /// Samples from `f`, which must return values in `[0, 1)`; others are clamped into it.
+    pub fn from_fn(f: impl Fn() -> f64 + Send + Sync + 'static) -> Self {
+        Random {
+            source: Some(Arc::new(f)),
+        }
+    }
+
+    pub(crate) fn sample(&self) -> f64 {
+        let u = match &self.source {
+            Some(f) => f(),
+            None => rand::rng().random::<f64>(),
+        };
+        if u.is_nan() {
+            0.0
+        } else {
+            u.clamp(0.0, 1.0)
+        }
+    }
+}
+
+impl Default for Random {
+    fn default() -> Self {
+        Self::thread_rng()
+    }
+}
+
+impl fmt::Debug for Random {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.source.is_some() {
+            "Random(custom)"
+        } else {
+            "Random(thread_rng)"
+        })
+    }
+}
+
+/// Why [`RetryPolicy::delay`] refused to schedule a retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DelayRefused {
+    RetryAfterTooLong,
+}
+
+impl Default for RetryPolicy {
+    /// 10 retries; backoff 0.5 s doubling to 32 s, plus 0–25 % jitter; a `Retry-After` is
+    /// honoured as sent up to 60 s, and above that the response is returned without retrying.
+    fn default() -> Self {
+        RetryPolicy {
+            max_retries: 10,
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(32),
+            multiplier: 2.0,
+            jitter: Jitter::known(JitterMode::Add, 0.25),
+            retry_after_min: Duration::ZERO,
+            retry_after_max: Duration::from_secs(60),
+            above_ceiling: AboveCeiling::GiveUp,
+            ignore_zero_retry_after: false,
+            backoff_is_floor: false,
+            max_consecutive_overloads: None,
+            random: Random::default(),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Reproduces the official Anthropic and OpenAI Python/TypeScript SDKs: 2 retries, backoff
+    /// `min(0.5 s · 2^(n−1), 8 s) × U[0.75, 1]`; a `Retry-After` is honoured when
+    /// `0 < x ≤ 60 s`, and otherwise ignored in favour of that backoff (the request is still
+    /// retried).
+    pub fn sdk_compatible() -> Self {
+        RetryPolicy {
+            max_retries: 2,
+            max_backoff: Duration::from_secs(8),
+            jitter: Jitter::known(JitterMode::Subtract, 0.25),
+            above_ceiling: AboveCeiling::UseBackoff,
+            ignore_zero_retry_after: true,
+            ..Self::default()
+        }
+    }
+
+    /// For unattended jobs that would rather wait than fail: 13 attempts (12 retries), backoff
+    /// 5 s doubling to 60 s with ±25 % jitter, and any `Retry-After` clamped to [5 s, 60 s]
+    /// (a longer one is waited for 60 s, then the request is tried again).
+    pub fn patient() -> Self {
+        RetryPolicy {
+            max_retries: 12,
+            initial_backoff: Duration::from_secs(5),
+            max_backoff: Duration::from_secs(60),
+            jitter: Jitter::known(JitterMode::Symmetric, 0.25),
+            retry_after_min: Duration::from_secs(5),
+            retry_after_max: Duration::from_secs(60),
+            above_ceiling: AboveCeiling::Clamp,
+            ..Self::default()
+        }
+    }
+
+    /// For a person waiting at a prompt: 3 retries, backoff 0.5 s doubling to 8 s plus 0–25 %
+    /// jitter; a `Retry-After` above 20 s returns the response at once so the caller can say
+    /// so rather than hang.
+    pub fn interactive() -> Self {
+        RetryPolicy {
+            max_retries: 3,
+            max_backoff: Duration::from_secs(8),
+            retry_after_max: Duration::from_secs(20),
+            ..Self::default()
+        }
+    }
+
+    /// No retries at all: every request is sent once.
+    pub fn never() -> Self {
+        RetryPolicy {
+            max_retries: 0,
+            ..Self::default()
+        }
+    }
+
+    /// The default policy, with `max_retries` read from `LLM_MAX_RETRIES` when it is set.
+    ///
+    /// A value that is not a whole number up to 1,000 is an error, not silently ignored.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::default().with_env()
+    }
+
+    /// This policy, with `max_retries` read from `LLM_MAX_RETRIES` when it is set.
+    pub fn with_env(self) -> Result<Self, ConfigError> {
+        match std::env::var(ENV_MAX_RETRIES) {
+            Ok(v) => self.with_max_retries_str(&v),
+            Err(std::env::VarError::NotPresent) => Ok(self),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::new(format!(
+                "{ENV_MAX_RETRIES} is not valid unicode"
+            ))),
+        }
+    }
+
+    fn with_max_retries_str(self, v: &str) -> Result<Self, ConfigError> {
+        match v.trim().parse::<u32>() {
+            Ok(n) if n <= 1000 => Ok(self.max_retries(n)),
+            _ => Err(ConfigError::new(format!(
+                "{ENV_MAX_RETRIES} must be a whole number from 0 to 1000, got {v:?}"
+            ))),
+        }
+    }
+
+    /// The most retries after the first attempt. Defaults to 10.
+    pub fn max_retries(mut self, n: u32) -> Self {
+        self.max_retries = n;
+        self
+    }
+
+    /// The backoff before the first retry. Defaults to 500 ms.
+    pub fn initial_backoff(mut self, d: Duration) -> Self {
+        self.initial_backoff = d;
+        self
+    }
+
+    /// The largest computed backoff, before jitter. Defaults to 32 s.
+    pub fn max_backoff(mut self, d: Duration) -> Self {
+        self.max_backoff = d;
+        self
+    }
+
+    /// The growth factor of the backoff; must be finite and at least 1. Defaults to 2.
+    pub fn multiplier(mut self, m: f64) -> Result<Self, ConfigError> {
+        if !m.is_finite() || m < 1.0 {
+            return Err(ConfigError::new(format!(
+                "backoff multiplier must be finite and >= 1, got {m}"
+            )));
+        }
+        self.multiplier = m;
+        Ok(self)
+    }
+
+    /// How the backoff is randomised. Defaults to [`Jitter::add(0.25)`](Jitter::add).
+    pub fn jitter(mut self, jitter: Jitter) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// Where jitter samples come from. Defaults to the thread-local generator.
+    pub fn random(mut self, random: Random) -> Self {
+        self.random = random;
+        self
+    }
+
+    /// The shortest wait a `Retry-After` can cause. Defaults to zero.
+    pub fn retry_after_min(mut self, d: Duration) -> Self {
+        self.retry_after_min = d;
+        self
+    }
+
+    /// The ceiling for a `Retry-After`. Defaults to 60 s.
+    pub fn retry_after_max(mut self, d: Duration) -> Self {
+        self.retry_after_max = d;
+        self
+    }
+
+    /// What to do with a `Retry-After` above the ceiling. Defaults to
+    /// [`AboveCeiling::GiveUp`].
+    pub fn above_ceiling(mut self, action: AboveCeiling) -> Self {
+        self.above_ceiling = action;
+        self
+    }
+
+    /// Whether `Retry-After: 0` is ignored in favour of the computed backoff, as the official
+    /// SDKs do. Defaults to false (a zero wait is honoured).
+    pub fn ignore_zero_retry_after(mut self, yes: bool) -> Self {
+        self.ignore_zero_retry_after = yes;
+        self
+    }
+
+    /// Whether the computed backoff is a floor under a `Retry-After`
+    /// (`max(retry_after, backoff)`). Defaults to false: the server's value is used as sent.
+    pub fn backoff_is_floor(mut self, yes: bool) -> Self {
+        self.backoff_is_floor = yes;
+        self
+    }
+
+    /// Stop after this many consecutive overloaded attempts (529 or `overloaded_error`), so a
+    /// fallback can take over sooner. Defaults to `None` (no such limit).
+    pub fn max_consecutive_overloads(mut self, n: Option<u32>) -> Self {
+        self.max_consecutive_overloads = n;
+        self
+    }
+
+    /// The most retries after the first attempt.
+    pub fn get_max_retries(&self) -> u32 {
+        self.max_retries
+    }
+
+    /// The limit of consecutive overloads, if any.
+    pub fn get_max_consecutive_overloads(&self) -> Option<u32> {
+        self.max_consecutive_overloads
+    }
+
+    /// The un-jittered backoff before retry `n` (1-based).
+    pub fn base_backoff(&self, n: u32) -> Duration {
+        let exp = n.saturating_sub(1).min(1023) as i32;
+        let secs = self.initial_backoff.as_secs_f64() * self.multiplier.powi(exp);
+        let max = self.max_backoff.as_secs_f64();
+        if !secs.is_finite() || secs >= max {
+            return self.max_backoff;
+        }
+        Duration::try_from_secs_f64(secs).unwrap_or(self.max_backoff)
+    }
+
+    /// The jittered backoff before retry `n` (1-based).
+    pub(crate) fn backoff(&self, n: u32) -> Duration {
+        let base = self.base_backoff(n);
+        if self.jitter.mode == JitterMode::None {
+            return base;
+        }
+        let factor = self.jitter.factor(self.random.sample());
+        base.mul_f64(factor.max(0.0))
+    }
+
+    /// The sleep before retry `n` (1-based), given the `Retry-After` of the response that
+    /// failed just before it.
+    pub(crate) fn delay(
+        &self,
+        n: u32,
+        retry_after: Option<Duration>,
+    ) -> Result<Duration, DelayRefused> {
+        let retry_after = retry_after.filter(|d| !(self.ignore_zero_retry_after && d.is_zero()));
+        let Some(ra) = retry_after else {
+            return Ok(self.backoff(n));
+        };
+        let ra = if ra > self.retry_after_max {
+            match self.above_ceiling {
+                AboveCeiling::GiveUp => return Err(DelayRefused::RetryAfterTooLong),
+                AboveCeiling::UseBackoff => return Ok(self.backoff(n)),
+                AboveCeiling::Clamp => self.retry_after_max,
+            }
+        } else {
+            ra.max(self.retry_after_min)
+        };
+        if self.backoff_is_floor {
+            Ok(ra.max(self.backoff(n)))
+        } else {
+            Ok(ra)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(v: &[f64]) -> Vec<Duration> {
+        v.iter().map(|s| Duration::from_secs_f64(*s)).collect()
+    }
+
+    #[test]
+    fn default_sequence_without_jitter() {
+        let p = RetryPolicy::default().jitter(Jitter::none());
+        let got: Vec<_> = (1..=10).map(|n| p.delay(n, None).unwrap()).collect();
+        assert_eq!(
+            got,
+            secs(&[0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 32.0, 32.0, 32.0])
+        );
+        // Huge retry numbers neither overflow nor panic.
+        assert_eq!(p.delay(u32::MAX, None).unwrap(), Duration::from_secs(32));
+    }
+
+    #[test]
+    fn jitter_bands() {
+        let p = RetryPolicy::default().random(Random::from_fn(|| 0.999_999));
+        let d = p.delay(1, None).unwrap();
+        assert!(d > Duration::from_millis(624) && d <= Duration::from_millis(625));
+        let p = RetryPolicy::sdk_compatible().random(Random::from_fn(|| 0.999_999));
+        let d = p.delay(5, None).unwrap();
+        assert!(
+            d >= Duration::from_secs(6) && d < Duration::from_millis(6001),
+            "{d:?}"
+        );
+        let p = RetryPolicy::patient().random(Random::from_fn(|| 0.0));
+        assert_eq!(p.delay(1, None).unwrap(), Duration::from_millis(3750));
+    }
+
+    #[test]
+    fn retry_after_handling() {
+        let p = RetryPolicy::default().jitter(Jitter::none());
+        let ra = |s| Some(Duration::from_secs(s));
+        assert_eq!(p.delay(3, ra(7)), Ok(Duration::from_secs(7)));
+        assert_eq!(p.delay(3, ra(0)), Ok(Duration::ZERO));
+        assert_eq!(p.delay(1, ra(60)), Ok(Duration::from_secs(60)));
+        assert_eq!(p.delay(1, ra(61)), Err(DelayRefused::RetryAfterTooLong));
+        let floor = p.clone().backoff_is_floor(true);
+        assert_eq!(floor.delay(3, ra(1)), Ok(Duration::from_secs(2)));
+
+        let sdk = RetryPolicy::sdk_compatible().jitter(Jitter::none());
+        assert_eq!(sdk.delay(1, ra(0)), Ok(Duration::from_millis(500)));
+        assert_eq!(sdk.delay(2, ra(61)), Ok(Duration::from_secs(1)));
+        assert_eq!(sdk.delay(2, ra(60)), Ok(Duration::from_secs(60)));
+
+        let patient = RetryPolicy::patient().jitter(Jitter::none());
+        assert_eq!(patient.delay(1, ra(1)), Ok(Duration::from_secs(5)));
+        assert_eq!(patient.delay(1, ra(86_400)), Ok(Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn config_validation() {
+        assert!(Jitter::add(1.5).is_err());
+        assert!(Jitter::add(f64::NAN).is_err());
+        assert!(RetryPolicy::default().multiplier(0.5).is_err());
+        assert!(RetryPolicy::default().multiplier(f64::INFINITY).is_err());
+        assert!(RetryPolicy::default().with_max_retries_str("x").is_err());
+        assert!(RetryPolicy::default().with_max_retries_str("-1").is_err());
+        assert_eq!(
+            RetryPolicy::default()
+                .with_max_retries_str(" 4 ")
+                .unwrap()
+                .get_max_retries(),
+            4
+        );
+    }
+
+    #[test]
+    fn seeded_random_is_deterministic() {
+        let a = Random::seeded(7);
+        let b = Random::seeded(7);
+        for _ in 0..10 {
+            let (x, y) = (a.sample(), b.sample());
+            assert_eq!(x, y);
+            assert!((0.0..1.0).contains(&x));
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Shared test helpers: a hyper-util client behind the retry layer, an observer that records,
+//! and body hashing.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use sha2::{Digest, Sha256};
+use tower_llm_retry::{FailureClass, ReplayBody, RetryEvent, RetryObserver, RetryTrail};
+
+pub type HttpClient = Client<HttpConnector, ReplayBody>;
+
+pub fn http_client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+pub fn anthropic_request(uri: &str, body: &'static str) -> Request<Full<Bytes>> {
+    Request::post(uri)
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+pub const BODY: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[{"role":"user","content":"Hello, world"}]}"#;
+
+pub async fn body_bytes<B>(res: Response<B>) -> Bytes
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    res.into_body().collect().await.unwrap().to_bytes()
+}
+
+/// What the observer saw, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Seen {
+    Retry {
+        attempt: u32,
+        class: FailureClass,
+        status: Option<StatusCode>,
+        retry_after: Option<Duration>,
+        delay: Duration,
+        max_retries: u32,
+    },
+    Recovered(u32),
+    GaveUp(RetryTrail),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Recorder(pub Arc<Mutex<Vec<Seen>>>);
+
+impl Recorder {
+    pub fn seen(&self) -> Vec<Seen> {
+        self.0.lock().unwrap().clone()
+    }
+
+    pub fn delays(&self) -> Vec<Duration> {
+        self.seen()
+            .into_iter()
+            .filter_map(|s| match s {
+                Seen::Retry { delay, .. } => Some(delay),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+impl RetryObserver for Recorder {
+    fn on_retry(&self, e: &RetryEvent<'_>) {
+        self.0.lock().unwrap().push(Seen::Retry {
+            attempt: e.attempt,
+            class: e.class,
+            status: e.status,
+            retry_after: e.retry_after,
+            delay: e.delay,
+            max_retries: e.max_retries,
+        });
+    }
+    fn on_recovered(&self, total: u32) {
+        self.0.lock().unwrap().push(Seen::Recovered(total));
+    }
+    fn on_give_up(&self, trail: &RetryTrail) {
+        self.0.lock().unwrap().push(Seen::GaveUp(trail.clone()));
+    }
+}

@@ -1,0 +1,382 @@
+//! Every attempt sends the caller's bytes: hashed at the server, for `Full` and streamed
+//! bodies; oversize and failing bodies send nothing; unsafe requests are not replayed.
+
+mod common;
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use common::*;
+use http::{HeaderName, Request, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::{
+    AttemptContext, ErrorKind, FailureClass, GiveUpReason, NoRetry, NotReplaySafe, ReplayBody,
+    RetryLayer, RetryPolicy, RetryTrail,
+};
+
+/// A request body that arrives in chunks, with no length known up front.
+struct Chunked {
+    chunks: Vec<Bytes>,
+    fail_at: Option<usize>,
+}
+
+impl Chunked {
+    fn new(data: &[u8], chunk: usize) -> Self {
+        Chunked {
+            chunks: data
+                .chunks(chunk)
+                .rev()
+                .map(Bytes::copy_from_slice)
+                .collect(),
+            fail_at: None,
+        }
+    }
+}
+
+impl Body for Chunked {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        if self.fail_at == Some(self.chunks.len()) {
+            return Poll::Ready(Some(Err(std::io::Error::other("client body broke"))));
+        }
+        Poll::Ready(self.chunks.pop().map(|c| Ok(Frame::data(c))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+fn payload(len: usize) -> Vec<u8> {
+    // Not all zeroes, so a reordering or a dropped chunk changes the hash.
+    (0..len).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+fn faults() -> Script {
+    Script::new()
+        .then(Reply::status(503))
+        .then(Reply::rate_limited("1"))
+        .then(Reply::reset())
+        .then(Reply::overloaded())
+        .then(Reply::success())
+}
+
+#[tokio::test(start_paused = true)]
+async fn full_body_is_byte_identical_on_every_attempt() {
+    let server = MockServer::start(faults()).await.unwrap();
+    let data = Bytes::from(payload(256 * 1024));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .header("x-custom", "kept")
+        .body(Full::new(data.clone()))
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 5);
+    let want = sha256(&data);
+    for (i, r) in seen.iter().enumerate() {
+        assert_eq!(sha256(&r.body), want, "attempt {i}");
+        assert_eq!(r.headers["x-custom"], "kept");
+        assert_eq!(r.headers["content-type"], "application/json");
+        assert_eq!(r.method, http::Method::POST);
+        assert_eq!(r.uri.path(), "/v1/messages");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn streamed_body_is_buffered_once_and_replayed_identically() {
+    let server = MockServer::start(faults()).await.unwrap();
+    let data = payload(1024 * 1024 + 17);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Chunked::new(&data, 8 * 1024 + 3))
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 5);
+    for r in &seen {
+        assert_eq!(sha256(&r.body), sha256(&data));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn body_over_the_cap_while_reading_sends_nothing() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().body_limit(64 * 1024))
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Chunked::new(&payload(64 * 1024 + 1), 4096))
+        .unwrap();
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BodyTooLarge);
+    assert!(err.is_body_too_large());
+    assert_eq!(server.request_count(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn body_exactly_at_the_cap_is_buffered() {
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let data = payload(64 * 1024);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().body_limit(64 * 1024))
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Chunked::new(&data, 4096))
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn failing_request_body_sends_nothing() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    let mut body = Chunked::new(&payload(10_000), 1000);
+    body.fail_at = Some(5);
+    let req = Request::post(server.url("/v1/messages"))
+        .body(body)
+        .unwrap();
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BodyRead);
+    assert_eq!(
+        std::error::Error::source(&err).unwrap().to_string(),
+        "client body broke"
+    );
+    assert_eq!(server.request_count(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn body_known_to_be_over_the_cap_passes_through_once() {
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let data = Bytes::from(payload(100 * 1024));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().body_limit(64 * 1024))
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Full::new(data.clone()))
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    // Not retried: a body that was never held cannot be sent again.
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(res.extensions().get::<RetryTrail>().is_none());
+    let seen = server.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(sha256(&seen[0].body), sha256(&data));
+}
+
+#[tokio::test(start_paused = true)]
+async fn not_replay_safe_request_is_not_resent_after_the_server_got_it() {
+    for reply in [Reply::reset(), Reply::status(503), Reply::overloaded()] {
+        let server = MockServer::start(Script::new().then(reply).then(Reply::success()))
+            .await
+            .unwrap();
+        let svc = ServiceBuilder::new()
+            .layer(RetryLayer::new())
+            .service(http_client());
+        let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+        req.extensions_mut().insert(NotReplaySafe);
+        let outcome = svc.oneshot(req).await;
+        assert_eq!(server.request_count(), 1);
+        let trail = match outcome {
+            Ok(res) => res.extensions().get::<RetryTrail>().unwrap().clone(),
+            Err(err) => {
+                assert_eq!(err.kind(), ErrorKind::Service);
+                err.trail().unwrap().clone()
+            }
+        };
+        assert_eq!(trail.gave_up(), Some(GiveUpReason::NotReplaySafe));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn not_replay_safe_request_is_retried_when_the_connection_is_refused() {
+    // A port with nothing listening: every attempt is refused before a byte is sent.
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let recorder = Recorder::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(RetryPolicy::default().max_retries(2).jitter(Jitter::none()))
+                .observer(recorder.clone()),
+        )
+        .service(http_client());
+    let mut req = anthropic_request(&format!("http://{addr}/v1/messages"), BODY);
+    req.extensions_mut().insert(NotReplaySafe);
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    let trail = err.trail().unwrap();
+    assert_eq!(trail.total_attempts(), 3);
+    assert!(trail
+        .attempts()
+        .iter()
+        .all(|a| a.class == FailureClass::Transport));
+    assert_eq!(recorder.delays().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_retry_marker_sends_once() {
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut().insert(NoRetry);
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.request_count(), 1);
+    assert_eq!(
+        res.extensions().get::<RetryTrail>().unwrap().gave_up(),
+        Some(GiveUpReason::MaxRetries)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn per_request_policy_overrides_the_layer() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut()
+        .insert(RetryPolicy::default().max_retries(1).jitter(Jitter::none()));
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempt_header_counts_up_from_zero() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::status(500))
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().attempt_header(HeaderName::from_static("x-stainless-retry-count")))
+        .service(http_client());
+    svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    let counts: Vec<_> = server
+        .requests()
+        .iter()
+        .map(|r| {
+            r.headers["x-stainless-retry-count"]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(counts, ["0", "1", "2"]);
+    // Without the option, no such header is sent.
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(http_client());
+    svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(server.requests()[0]
+        .headers
+        .get("x-stainless-retry-count")
+        .is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn inner_layers_see_the_attempt_context() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::status(503))
+            .then(Reply::success()),
+    )
+    .await
+    .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::default().jitter(Jitter::none())))
+        .map_request(move |req: Request<ReplayBody>| {
+            let ctx = *req.extensions().get::<AttemptContext>().unwrap();
+            log.lock()
+                .unwrap()
+                .push((ctx.attempt, ctx.previous, ctx.consecutive_overloads));
+            req
+        })
+        .service(http_client());
+    svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            (0, None, 0),
+            (1, Some(FailureClass::Overloaded), 1),
+            (2, Some(FailureClass::Overloaded), 2),
+            (3, Some(FailureClass::Server), 0),
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn consecutive_overload_limit_stops_early() {
+    let server = MockServer::start(Script::always(Reply::overloaded()))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new().policy(
+                RetryPolicy::default()
+                    .jitter(Jitter::none())
+                    .max_consecutive_overloads(Some(3)),
+            ),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status().as_u16(), 529);
+    assert_eq!(server.request_count(), 3);
+    assert_eq!(
+        res.extensions().get::<RetryTrail>().unwrap().gave_up(),
+        Some(GiveUpReason::MaxConsecutiveOverloads)
+    );
+}
