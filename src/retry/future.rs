@@ -107,6 +107,31 @@ enum Next<T> {
     Cancel,
 }
 
+impl<S, B, C> std::fmt::Debug for ResponseFuture<S, B, C>
+where
+    S: Service<Request<ReplayBody>>,
+    S::Response: HttpResponse,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    // The request head holds credentials: show only where the loop is.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            State::Buffering { .. } => "buffering",
+            State::Passthrough { .. } => "passthrough",
+            State::Ready => "ready",
+            State::Calling { .. } => "calling",
+            State::Peeking { .. } => "peeking",
+            State::Sleeping { .. } => "sleeping",
+            State::Done => "done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .field("attempt", &self.ctx.attempt)
+            .finish()
+    }
+}
+
 impl<S, B, C> ResponseFuture<S, B, C>
 where
     S: Service<Request<ReplayBody>>,

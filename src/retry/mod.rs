@@ -72,7 +72,7 @@
 //!    caller still receives the whole body.
 //! 3. A retryable failure sleeps for the server's `Retry-After` or the policy's backoff, then
 //!    tries again; the inner service is polled ready before each attempt.
-//! 4. The result is the last response (with a [`RetryTrail`](crate::RetryTrail) extension if
+//! 4. The result is the last response (with a [`RetryTrail`] extension if
 //!    any attempt failed), or an [`Error`](crate::Error) whose kind says why.
 //!
 //! # Differences from `tower::retry`
