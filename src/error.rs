@@ -50,6 +50,9 @@ pub enum ErrorKind {
     IdleTimeout,
     /// Every model of a fallback chain was overloaded.
     FallbackExhausted,
+    /// Reading the response body failed after it was handed to the caller (for a stream:
+    /// after the commit point, when nothing is re-sent).
+    ResponseBody,
 }
 
 impl ErrorKind {
@@ -65,6 +68,7 @@ impl ErrorKind {
             ErrorKind::TokenRefresh => "token_refresh",
             ErrorKind::IdleTimeout => "idle_timeout",
             ErrorKind::FallbackExhausted => "fallback_exhausted",
+            ErrorKind::ResponseBody => "response_body",
         }
     }
 
@@ -79,6 +83,7 @@ impl ErrorKind {
             ErrorKind::TokenRefresh => "failed to obtain a credential",
             ErrorKind::IdleTimeout => "response body idle timeout",
             ErrorKind::FallbackExhausted => "every fallback model was overloaded",
+            ErrorKind::ResponseBody => "failed to read the response body",
         }
     }
 }
@@ -166,6 +171,11 @@ impl Error {
         self.kind() == ErrorKind::IdleTimeout
     }
 
+    /// Returns true for [`ErrorKind::ResponseBody`].
+    pub fn is_response_body(&self) -> bool {
+        self.kind() == ErrorKind::ResponseBody
+    }
+
     /// Returns true for [`ErrorKind::FallbackExhausted`].
     pub fn is_fallback_exhausted(&self) -> bool {
         self.kind() == ErrorKind::FallbackExhausted
@@ -242,7 +252,55 @@ pub enum GiveUpReason {
     Budget,
     /// The cancellation token fired.
     Cancelled,
+    /// The next retry could not start before the request's deadline.
+    Deadline,
 }
+
+/// A per-attempt timeout fired: no response head in time, or a body went quiet.
+///
+/// Found as the source (or in the source chain) of the failure it caused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimedOut {
+    what: TimeoutKind,
+    after: Duration,
+}
+
+/// Which timeout a [`TimedOut`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TimeoutKind {
+    /// No response head arrived in time.
+    Head,
+    /// No body frame arrived in time.
+    Idle,
+}
+
+impl TimedOut {
+    pub(crate) fn new(what: TimeoutKind, after: Duration) -> Self {
+        TimedOut { what, after }
+    }
+
+    /// Which timeout fired.
+    pub fn kind(&self) -> TimeoutKind {
+        self.what
+    }
+
+    /// The timeout that was exceeded.
+    pub fn after(&self) -> Duration {
+        self.after
+    }
+}
+
+impl fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.what {
+            TimeoutKind::Head => write!(f, "no response head within {:?}", self.after),
+            TimeoutKind::Idle => write!(f, "response body idle for {:?}", self.after),
+        }
+    }
+}
+
+impl std::error::Error for TimedOut {}
 
 /// One failed attempt, as recorded in a [`RetryTrail`].
 #[derive(Debug, Clone, PartialEq)]

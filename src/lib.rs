@@ -64,6 +64,7 @@ pub mod body;
 pub mod classify;
 mod error;
 pub mod retry;
+pub mod stream;
 
 #[cfg(feature = "mock")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
@@ -71,8 +72,11 @@ pub mod mock;
 
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
-pub use crate::error::{AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail};
+pub use crate::error::{
+    AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut, TimeoutKind,
+};
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
     RetryObserver, RetryPolicy,
 };
+pub use crate::stream::{CommitReason, OutputTruncated, StreamCommitted};

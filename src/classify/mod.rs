@@ -48,6 +48,7 @@ use std::time::{Duration, SystemTime};
 use http::StatusCode;
 
 use self::error_body::{body_signal, BodySignal};
+use crate::stream::{SseEvent, SseVerdict};
 
 /// The HTTP status Anthropic uses for "overloaded".
 pub const STATUS_OVERLOADED: u16 = 529;
@@ -76,6 +77,9 @@ pub enum FailureClass {
     ContextOverflow,
     /// Any other 4xx.
     Client,
+    /// A 2xx response whose body failed or ended short while the loop read it whole (only
+    /// with [`RetryLayer::buffer_responses`](crate::RetryLayer::buffer_responses)).
+    TruncatedEnvelope,
     /// A status outside 2xx, 4xx and 5xx that a classifier chose to call a failure.
     Other,
 }
@@ -94,6 +98,7 @@ impl FailureClass {
             FailureClass::Unauthorized => "unauthorized",
             FailureClass::ContextOverflow => "context_overflow",
             FailureClass::Client => "client",
+            FailureClass::TruncatedEnvelope => "truncated_envelope",
             FailureClass::Other => "other",
         }
     }
@@ -211,9 +216,18 @@ pub trait Classify: Send + Sync + 'static {
     fn request_not_sent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
         request_not_sent(error)
     }
+
+    /// Judges one event of a `text/event-stream` response before the commit point. Defaults
+    /// to [`default_sse_verdict`](crate::stream::default_sse_verdict).
+    fn classify_sse_event(&self, event: &SseEvent<'_>) -> SseVerdict {
+        crate::stream::default_sse_verdict(event)
+    }
 }
 
 impl<C: Classify + ?Sized> Classify for Arc<C> {
+    fn classify_sse_event(&self, event: &SseEvent<'_>) -> SseVerdict {
+        (**self).classify_sse_event(event)
+    }
     fn classify_response(
         &self,
         head: &http::response::Parts,

@@ -1,25 +1,38 @@
 use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 
-use crate::error::BoxError;
+use crate::error::{BoxError, Error, ErrorKind, TimedOut, TimeoutKind};
 
 pin_project! {
     /// The response body of [`Retry`](super::Retry).
     ///
     /// Usually the inner service's body, untouched. When the retry loop had to read the start
-    /// of the body to judge the response, the frames it read are yielded first, exactly as
-    /// they arrived, then the rest of the original body: the bytes the caller sees are the
-    /// bytes the server sent.
+    /// of the body to judge the response (an error body, or a stream up to its first output),
+    /// the frames it read are yielded first, exactly as they arrived, then the rest of the
+    /// original body: the bytes the caller sees are the bytes the server sent.
+    ///
+    /// Errors are typed: [`ErrorKind::ResponseBody`] when reading the inner body failed (its
+    /// error is the source), [`ErrorKind::IdleTimeout`] when no frame came for the policy's
+    /// idle timeout.
     pub struct RetryBody<B> {
         #[pin]
         kind: Kind<B>,
+        // Boxed so the body stays `Unpin` whenever the inner one is; allocated only once a
+        // frame is not ready at once.
+        idle: Option<Pin<Box<Sleep>>>,
+        idle_timeout: Option<Duration>,
+        armed: bool,
+        done: bool,
     }
 }
 
@@ -36,6 +49,15 @@ pub(crate) struct Peeked<B> {
     pub(crate) trailers: Option<HeaderMap>,
     pub(crate) error: Option<BoxError>,
     pub(crate) rest: Option<Pin<Box<B>>>,
+    len: usize,
+}
+
+/// What one read of a [`Peeked`] body produced.
+pub(crate) enum Read {
+    /// A data frame, now the last of `frames`.
+    Data,
+    /// The body ended, failed (`error` holds it) or sent trailers.
+    End,
 }
 
 impl<B> Peeked<B> {
@@ -45,11 +67,16 @@ impl<B> Peeked<B> {
             trailers: None,
             error: None,
             rest: Some(Box::pin(body)),
+            len: 0,
         }
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.frames.iter().map(Bytes::len).sum()
+        self.len
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.rest.is_none()
     }
 
     /// The bytes read so far, contiguous (copied only when they came in several frames).
@@ -69,35 +96,37 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    /// Reads frames until `limit` bytes are held or the body ends (or fails).
-    pub(crate) fn poll_fill(&mut self, cx: &mut Context<'_>, limit: usize) -> Poll<()> {
+    /// Reads one frame of the inner body and keeps it.
+    pub(crate) fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<Read> {
         loop {
-            if self.len() >= limit || self.error.is_some() || self.trailers.is_some() {
-                return Poll::Ready(());
-            }
             let Some(rest) = self.rest.as_mut() else {
-                return Poll::Ready(());
+                return Poll::Ready(Read::End);
             };
             match rest.as_mut().poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => {
                     self.rest = None;
+                    return Poll::Ready(Read::End);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     self.rest = None;
                     self.error = Some(e.into());
+                    return Poll::Ready(Read::End);
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(mut data) => {
                         let bytes = data.copy_to_bytes(data.remaining());
                         if !bytes.is_empty() {
+                            self.len += bytes.len();
                             self.frames.push_back(bytes);
+                            return Poll::Ready(Read::Data);
                         }
                     }
                     Err(frame) => {
                         if let Ok(trailers) = frame.into_trailers() {
                             self.trailers = Some(trailers);
                             self.rest = None;
+                            return Poll::Ready(Read::End);
                         }
                     }
                 },
@@ -106,17 +135,49 @@ where
     }
 }
 
+/// Turns an inner body error into the crate's typed error (keeping one that already is).
+pub(crate) fn body_error(e: BoxError) -> Error {
+    match e.downcast::<Error>() {
+        Ok(e) => *e,
+        Err(e) => Error::new(ErrorKind::ResponseBody).with_source(e),
+    }
+}
+
 impl<B> RetryBody<B> {
-    pub(crate) fn plain(body: B) -> Self {
-        RetryBody {
-            kind: Kind::Plain { body },
-        }
+    pub(crate) fn plain(body: B, idle_timeout: Option<Duration>) -> Self {
+        Self::with_kind(Kind::Plain { body }, idle_timeout)
     }
 
-    pub(crate) fn peeked(peeked: Peeked<B>) -> Self {
+    pub(crate) fn peeked(peeked: Peeked<B>, idle_timeout: Option<Duration>) -> Self {
+        Self::with_kind(Kind::Peeked { peeked }, idle_timeout)
+    }
+
+    fn with_kind(kind: Kind<B>, idle_timeout: Option<Duration>) -> Self {
         RetryBody {
-            kind: Kind::Peeked { peeked },
+            kind,
+            idle: None,
+            idle_timeout,
+            armed: false,
+            done: false,
         }
+    }
+}
+
+fn poll_inner<B>(
+    body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    match body.poll_frame(cx) {
+        Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
+            frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+        ))),
+        Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+        Poll::Ready(None) => Poll::Ready(None),
+        Poll::Pending => Poll::Pending,
     }
 }
 
@@ -126,53 +187,80 @@ where
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;
-    type Error = BoxError;
+    type Error = Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project().kind.project() {
-            KindProj::Plain { body } => match body.poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
-                    frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                ))),
-                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-                Poll::Ready(None) => Poll::Ready(None),
-                Poll::Pending => Poll::Pending,
-            },
+    ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        let this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        let polled = match this.kind.project() {
+            KindProj::Plain { body } => poll_inner(body, cx),
             KindProj::Peeked { peeked } => {
                 if let Some(data) = peeked.frames.pop_front() {
+                    peeked.len -= data.len();
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 if let Some(trailers) = peeked.trailers.take() {
                     return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                 }
                 if let Some(err) = peeked.error.take() {
+                    *this.done = true;
+                    return Poll::Ready(Some(Err(body_error(err))));
+                }
+                match peeked.rest.as_mut() {
+                    None => Poll::Ready(None),
+                    Some(rest) => {
+                        let polled = poll_inner(rest.as_mut(), cx);
+                        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+                            peeked.rest = None;
+                        }
+                        polled
+                    }
+                }
+            }
+        };
+        match polled {
+            Poll::Ready(item) => {
+                *this.armed = false;
+                if matches!(item, None | Some(Err(_))) {
+                    *this.done = true;
+                }
+                Poll::Ready(item.map(|r| r.map_err(body_error)))
+            }
+            Poll::Pending => {
+                let Some(timeout) = *this.idle_timeout else {
+                    return Poll::Pending;
+                };
+                // The clock starts when the caller asks for a frame that is not there yet,
+                // so a slow consumer is never blamed on the server.
+                if !*this.armed {
+                    *this.armed = true;
+                    let deadline = Instant::now() + timeout;
+                    match this.idle.as_mut() {
+                        Some(sleep) => sleep.as_mut().reset(deadline),
+                        None => *this.idle = Some(Box::pin(tokio::time::sleep_until(deadline))),
+                    }
+                }
+                let sleep = this.idle.as_mut().expect("armed above");
+                if sleep.as_mut().poll(cx).is_ready() {
+                    *this.done = true;
+                    let err = Error::new(ErrorKind::IdleTimeout)
+                        .with_source(TimedOut::new(TimeoutKind::Idle, timeout));
                     return Poll::Ready(Some(Err(err)));
                 }
-                let Some(rest) = peeked.rest.as_mut() else {
-                    return Poll::Ready(None);
-                };
-                match rest.as_mut().poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
-                        frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                    ))),
-                    Poll::Ready(Some(Err(e))) => {
-                        peeked.rest = None;
-                        Poll::Ready(Some(Err(e.into())))
-                    }
-                    Poll::Ready(None) => {
-                        peeked.rest = None;
-                        Poll::Ready(None)
-                    }
-                    Poll::Pending => Poll::Pending,
-                }
+                Poll::Pending
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
+        if self.done {
+            return true;
+        }
         match &self.kind {
             Kind::Plain { body } => body.is_end_stream(),
             Kind::Peeked { peeked } => {
@@ -210,6 +298,7 @@ impl<B> fmt::Debug for RetryBody<B> {
         if let Kind::Peeked { peeked } = &self.kind {
             d.field("peeked_bytes", &peeked.len());
         }
+        d.field("idle_timeout", &self.idle_timeout);
         d.finish_non_exhaustive()
     }
 }

@@ -15,14 +15,18 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 use tracing::Span;
 
-use super::body::{Peeked, RetryBody};
+use super::body::{Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::ReplayBody;
 use crate::classify::{Classification, Classify, FailureClass};
 use crate::error::{
-    error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail,
+    error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
+    TimeoutKind,
+};
+use crate::stream::{
+    CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
 };
 
 pub use self::sealed::HttpResponse;
@@ -74,14 +78,51 @@ pin_project! {
         Buffering { #[pin] collect: Collect<Limited<B>> },
         Passthrough { #[pin] future: F },
         Ready,
-        Calling { #[pin] future: F, span: Span },
-        Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>>, span: Span },
+        Calling {
+            #[pin] future: F,
+            #[pin] timeout: Option<Sleep>,
+            span: Span,
+        },
+        Peeking {
+            head: Option<http::response::Parts>,
+            peeked: Option<Peeked<R>>,
+            mode: PeekMode,
+            #[pin] idle: Option<Sleep>,
+            armed: bool,
+            span: Span,
+        },
         Sleeping {
             #[pin] sleep: Sleep,
             #[pin] cancel: Option<WaitForCancellationFutureOwned>,
         },
         Done,
     }
+}
+
+/// Why the loop reads the start of a response body before deciding.
+enum PeekMode {
+    /// An error status: read up to the peek limit, then classify with the bytes.
+    ErrorBody,
+    /// A 2xx event stream: read up to the first event with visible output.
+    Sse(SseScanner),
+    /// A 2xx body read whole (up to the cap), so a truncated one can be retried.
+    Envelope(usize),
+}
+
+/// What reading the start of a body ended with.
+enum Peek {
+    /// The error body is ready to classify.
+    ErrorBody,
+    /// The stream may go to the caller.
+    Commit(CommitReason),
+    /// An in-band error event before any output.
+    SseError(Classification),
+    /// Reading failed (error or idle timeout); the error is kept in the peeked body.
+    Failed,
+    /// The envelope was read whole.
+    Complete,
+    /// The envelope is larger than the cap; it goes to the caller as it streams.
+    TooLarge,
 }
 
 struct Ctx<S, C> {
@@ -97,13 +138,15 @@ struct Ctx<S, C> {
     replay_safe: bool,
     trail: RetryTrail,
     started: Instant,
+    deadline: Option<Instant>,
     model: Option<Option<String>>,
 }
 
 /// What the loop does after judging an attempt.
-enum Next<T> {
+enum Verdict {
+    Success,
     Retry(Duration),
-    Finish(T),
+    GiveUp(GiveUpReason),
     Cancel,
 }
 
@@ -152,6 +195,12 @@ where
         }
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
         let over_cap = body.size_hint().lower() > config.body_limit as u64;
+        let started = Instant::now();
+        let deadline = policy_override
+            .as_ref()
+            .unwrap_or(&config.policy)
+            .get_deadline()
+            .and_then(|d| started.checked_add(d));
         let mut ctx = Ctx {
             service,
             config,
@@ -164,7 +213,8 @@ where
             previous: None,
             replay_safe,
             trail: RetryTrail::default(),
-            started: Instant::now(),
+            started,
+            deadline,
             model: None,
         };
         let state = if over_cap {
@@ -202,34 +252,32 @@ where
         let ctx = this.ctx;
         loop {
             match this.state.as_mut().project() {
-                StateProj::Buffering { collect } => {
-                    let result = ready!(collect.poll(cx));
-                    match result {
-                        Ok(collected) => {
-                            let trailers = collected.trailers().cloned();
-                            let data = collected.to_bytes();
-                            ctx.body = Some(ReplayBody::buffered(data, trailers));
-                            // The service was polled ready before `call`; the first attempt
-                            // uses that readiness.
-                            let (future, span) = ctx.start_attempt();
-                            this.state.set(State::Calling { future, span });
-                        }
-                        Err(e) => {
-                            this.state.set(State::Done);
-                            let kind = if e.is::<LengthLimitError>() {
-                                ErrorKind::BodyTooLarge
-                            } else {
-                                ErrorKind::BodyRead
-                            };
-                            return Poll::Ready(Err(Error::new(kind).with_source(e)));
-                        }
+                StateProj::Buffering { collect } => match ready!(collect.poll(cx)) {
+                    Ok(collected) => {
+                        let trailers = collected.trailers().cloned();
+                        let data = collected.to_bytes();
+                        ctx.body = Some(ReplayBody::buffered(data, trailers));
+                        // The service was polled ready before `call`; the first attempt
+                        // uses that readiness.
+                        let state = ctx.start_attempt();
+                        this.state.set(state);
                     }
-                }
+                    Err(e) => {
+                        this.state.set(State::Done);
+                        let kind = if e.is::<LengthLimitError>() {
+                            ErrorKind::BodyTooLarge
+                        } else {
+                            ErrorKind::BodyRead
+                        };
+                        return Poll::Ready(Err(Error::new(kind).with_source(e)));
+                    }
+                },
                 StateProj::Passthrough { future } => {
                     let result = ready!(future.poll(cx));
                     this.state.set(State::Done);
+                    let idle = ctx.policy().get_idle_timeout();
                     return Poll::Ready(match result {
-                        Ok(res) => Ok(res.map(RetryBody::plain)),
+                        Ok(res) => Ok(res.map(|b| RetryBody::plain(b, idle))),
                         Err(e) => Err(Error::new(ErrorKind::Service).with_source(e)),
                     });
                 }
@@ -245,63 +293,88 @@ where
                             .with_trail(ctx.finished_trail());
                         return Poll::Ready(Err(err));
                     }
-                    let (future, span) = ctx.start_attempt();
-                    this.state.set(State::Calling { future, span });
+                    let state = ctx.start_attempt();
+                    this.state.set(state);
                 }
-                StateProj::Calling { future, span } => {
-                    let result = {
+                StateProj::Calling {
+                    future,
+                    timeout,
+                    span,
+                } => {
+                    let polled = {
                         let _enter = span.enter();
-                        ready!(future.poll(cx))
+                        future.poll(cx)
+                    };
+                    let result = match polled {
+                        Poll::Ready(r) => r.map_err(Into::into),
+                        Poll::Pending => {
+                            let fired = timeout.as_pin_mut().is_some_and(|t| t.poll(cx).is_ready());
+                            if !fired {
+                                return Poll::Pending;
+                            }
+                            let after = ctx.policy().get_head_timeout().unwrap_or_default();
+                            Err(Box::new(TimedOut::new(TimeoutKind::Head, after)) as BoxError)
+                        }
                     };
                     let span = std::mem::replace(span, Span::none());
                     match result {
                         Ok(res) => {
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
-                            if ctx.config.classifier.wants_body(&head) {
+                            if let Some(mode) = ctx.peek_mode(&head) {
                                 this.state.set(State::Peeking {
                                     head: Some(head),
                                     peeked: Some(Peeked::new(body)),
+                                    mode,
+                                    idle: None,
+                                    armed: false,
                                     span,
                                 });
                                 continue;
                             }
                             let c = ctx.config.classifier.classify_response(&head, None);
-                            match ctx.judge_response(&head, c, &span) {
-                                Next::Retry(delay) => {
+                            match ctx.judge(&c, Some(head.status), None, false, &span) {
+                                Verdict::Retry(delay) => {
                                     drop(body);
                                     let state = ctx.sleep(delay);
                                     this.state.set(state);
                                 }
-                                Next::Cancel => {
+                                Verdict::Cancel => {
                                     this.state.set(State::Done);
                                     return Poll::Ready(Err(ctx.cancelled()));
                                 }
-                                Next::Finish(trail) => {
+                                verdict => {
                                     this.state.set(State::Done);
-                                    let mut res =
-                                        Response::from_parts(head, RetryBody::plain(body));
-                                    if let Some(trail) = trail {
-                                        res.extensions_mut().insert(trail);
-                                    }
-                                    return Poll::Ready(Ok(res));
+                                    let body =
+                                        RetryBody::plain(body, ctx.policy().get_idle_timeout());
+                                    return Poll::Ready(Ok(ctx.respond(head, body, &verdict)));
                                 }
                             }
                         }
                         Err(e) => {
-                            let e: BoxError = e.into();
-                            match ctx.judge_error(&*e, &span) {
-                                Next::Retry(delay) => {
+                            let not_sent = ctx.config.classifier.request_not_sent(&*e);
+                            let c = ctx.config.classifier.classify_error(&*e);
+                            match ctx.judge(&c, None, Some(&*e), not_sent, &span) {
+                                Verdict::Retry(delay) => {
                                     let state = ctx.sleep(delay);
                                     this.state.set(state);
                                 }
-                                Next::Cancel => {
+                                Verdict::Cancel => {
                                     this.state.set(State::Done);
                                     return Poll::Ready(Err(ctx.cancelled().with_source(e)));
                                 }
-                                Next::Finish(kind) => {
+                                Verdict::GiveUp(reason) => {
                                     this.state.set(State::Done);
-                                    let err = Error::new(kind)
+                                    let err = Error::new(give_up_kind(reason))
+                                        .with_source(e)
+                                        .with_trail(ctx.finished_trail());
+                                    return Poll::Ready(Err(err));
+                                }
+                                Verdict::Success => {
+                                    // A classifier that calls an error a success still
+                                    // leaves no response to return.
+                                    this.state.set(State::Done);
+                                    let err = Error::new(ErrorKind::Service)
                                         .with_source(e)
                                         .with_trail(ctx.finished_trail());
                                     return Poll::Ready(Err(err));
@@ -310,34 +383,79 @@ where
                         }
                     }
                 }
-                StateProj::Peeking { head, peeked, span } => {
-                    let limit = ctx.config.peek_limit;
-                    ready!(peeked
-                        .as_mut()
-                        .expect("peek state holds the body")
-                        .poll_fill(cx, limit));
+                StateProj::Peeking {
+                    head,
+                    peeked,
+                    mode,
+                    mut idle,
+                    armed,
+                    span,
+                } => {
+                    let body = peeked.as_mut().expect("peek state holds the body");
+                    let idle_timeout = ctx.policy().get_idle_timeout();
+                    let outcome = ready!(poll_peek(
+                        body,
+                        mode,
+                        idle.as_mut(),
+                        armed,
+                        idle_timeout,
+                        ctx.config.peek_limit,
+                        &ctx.config.classifier,
+                        cx,
+                    ));
                     let head = head.take().expect("peek state holds the head");
-                    let peeked = peeked.take().expect("peek state holds the body");
+                    let mut peeked = peeked.take().expect("peek state holds the body");
                     let span = std::mem::replace(span, Span::none());
-                    let c = ctx
-                        .config
-                        .classifier
-                        .classify_response(&head, Some(&peeked.contiguous()));
-                    match ctx.judge_response(&head, c, &span) {
-                        Next::Retry(delay) => {
+                    let status = Some(head.status);
+                    let (c, commit, error) = match outcome {
+                        Peek::ErrorBody => {
+                            let c = ctx
+                                .config
+                                .classifier
+                                .classify_response(&head, Some(&peeked.contiguous()));
+                            (c, None, None)
+                        }
+                        Peek::SseError(c) => (c, Some(CommitReason::Error), None),
+                        Peek::Commit(reason) => (Classification::success(), Some(reason), None),
+                        Peek::Complete | Peek::TooLarge => (Classification::success(), None, None),
+                        Peek::Failed => {
+                            let class = match mode {
+                                PeekMode::Envelope(_) => FailureClass::TruncatedEnvelope,
+                                _ => FailureClass::Transport,
+                            };
+                            (Classification::retry(class), None, peeked.error.take())
+                        }
+                    };
+                    let verdict =
+                        ctx.judge(&c, status, error.as_deref().map(|e| e as _), false, &span);
+                    match verdict {
+                        Verdict::Retry(delay) => {
                             drop(peeked);
                             let state = ctx.sleep(delay);
                             this.state.set(state);
                         }
-                        Next::Cancel => {
+                        Verdict::Cancel => {
                             this.state.set(State::Done);
                             return Poll::Ready(Err(ctx.cancelled()));
                         }
-                        Next::Finish(trail) => {
+                        verdict => {
                             this.state.set(State::Done);
-                            let mut res = Response::from_parts(head, RetryBody::peeked(peeked));
-                            if let Some(trail) = trail {
-                                res.extensions_mut().insert(trail);
+                            // A failure handed up as it happened: the caller reads the bytes
+                            // that came, then the error.
+                            if let Some(error) = error {
+                                peeked.error = Some(error);
+                            }
+                            let truncated = matches!(outcome, Peek::Complete)
+                                && crate::stream::output_truncated(&peeked.contiguous());
+                            let peeked_bytes = peeked.len();
+                            let body = RetryBody::peeked(peeked, ctx.policy().get_idle_timeout());
+                            let mut res = ctx.respond(head, body, &verdict);
+                            if let Some(reason) = commit {
+                                res.extensions_mut()
+                                    .insert(StreamCommitted::new(reason, peeked_bytes));
+                            }
+                            if truncated {
+                                res.extensions_mut().insert(OutputTruncated);
                             }
                             return Poll::Ready(Ok(res));
                         }
@@ -357,6 +475,122 @@ where
             }
         }
     }
+}
+
+/// Reads the start of a body as `mode` asks, under the idle timeout.
+#[allow(clippy::too_many_arguments)]
+fn poll_peek<R, C>(
+    peeked: &mut Peeked<R>,
+    mode: &mut PeekMode,
+    mut idle: Pin<&mut Option<Sleep>>,
+    armed: &mut bool,
+    idle_timeout: Option<Duration>,
+    peek_limit: usize,
+    classifier: &C,
+    cx: &mut Context<'_>,
+) -> Poll<Peek>
+where
+    R: Body,
+    R::Error: Into<BoxError>,
+    C: Classify,
+{
+    loop {
+        let done = peeked.is_finished();
+        match mode {
+            PeekMode::ErrorBody if done || peeked.len() >= peek_limit => {
+                return Poll::Ready(Peek::ErrorBody)
+            }
+            PeekMode::Sse(_) if done && peeked.error.is_some() => return Poll::Ready(Peek::Failed),
+            PeekMode::Sse(_) if done => {
+                return Poll::Ready(Peek::Commit(CommitReason::EndOfStream))
+            }
+            PeekMode::Sse(_) if peeked.len() >= peek_limit => {
+                return Poll::Ready(Peek::Commit(CommitReason::PeekLimit))
+            }
+            PeekMode::Envelope(_) if done && peeked.error.is_some() => {
+                return Poll::Ready(Peek::Failed)
+            }
+            PeekMode::Envelope(_) if done => return Poll::Ready(Peek::Complete),
+            PeekMode::Envelope(cap) if peeked.len() > *cap => return Poll::Ready(Peek::TooLarge),
+            _ => {}
+        }
+        match peeked.poll_read(cx) {
+            Poll::Ready(Read::End) => {}
+            Poll::Ready(Read::Data) => {
+                *armed = false;
+                if let PeekMode::Sse(scanner) = mode {
+                    let frame = peeked.frames.back().expect("a frame was just read");
+                    let found =
+                        scanner.push(frame, |event| match classifier.classify_sse_event(event) {
+                            SseVerdict::Output => Some(None),
+                            SseVerdict::Error(c) => Some(Some(c)),
+                            _ => None,
+                        });
+                    match found {
+                        Ok(Some(None)) => {
+                            return Poll::Ready(Peek::Commit(CommitReason::FirstOutput))
+                        }
+                        Ok(Some(Some(c))) => return Poll::Ready(Peek::SseError(c)),
+                        Ok(None) => {}
+                        Err(ScanError::TooLong) => {
+                            return Poll::Ready(Peek::Commit(CommitReason::PeekLimit))
+                        }
+                    }
+                }
+            }
+            Poll::Pending => {
+                let Some(timeout) = idle_timeout else {
+                    return Poll::Pending;
+                };
+                if !*armed {
+                    *armed = true;
+                    let deadline = Instant::now() + timeout;
+                    match idle.as_mut().as_pin_mut() {
+                        Some(sleep) => sleep.reset(deadline),
+                        None => idle.set(Some(tokio::time::sleep_until(deadline))),
+                    }
+                }
+                let sleep = idle.as_mut().as_pin_mut().expect("armed above");
+                if sleep.poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                // The body stalled. An error body is judged on what came; a stream or an
+                // envelope failed, and its caller (if it gets it) sees an idle timeout.
+                if let PeekMode::ErrorBody = mode {
+                    return Poll::Ready(Peek::ErrorBody);
+                }
+                peeked.rest = None;
+                peeked.error = Some(Box::new(
+                    Error::new(ErrorKind::IdleTimeout)
+                        .with_source(TimedOut::new(TimeoutKind::Idle, timeout)),
+                ));
+                return Poll::Ready(Peek::Failed);
+            }
+        }
+    }
+}
+
+fn give_up_kind(reason: GiveUpReason) -> ErrorKind {
+    match reason {
+        GiveUpReason::MaxRetries
+        | GiveUpReason::RetryAfterTooLong
+        | GiveUpReason::MaxConsecutiveOverloads
+        | GiveUpReason::Deadline => ErrorKind::Exhausted,
+        GiveUpReason::Budget => ErrorKind::BudgetExhausted,
+        GiveUpReason::Cancelled => ErrorKind::Cancelled,
+        _ => ErrorKind::Service,
+    }
+}
+
+fn is_event_stream(head: &http::response::Parts) -> bool {
+    head.headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
 }
 
 impl<S, C> Ctx<S, C>
@@ -386,7 +620,41 @@ where
         trail
     }
 
-    fn start_attempt(&mut self) -> (S::Future, Span) {
+    /// The head timeout of the attempt about to start, cut to the deadline.
+    fn head_timeout(&self) -> Option<Duration> {
+        let timeout = self.policy().get_head_timeout();
+        match self.deadline {
+            None => timeout,
+            Some(dl) => {
+                let left = dl.saturating_duration_since(Instant::now());
+                Some(timeout.map_or(left, |t| t.min(left)))
+            }
+        }
+    }
+
+    /// Whether, and how, the start of this response's body must be read before deciding.
+    fn peek_mode(&self, head: &http::response::Parts) -> Option<PeekMode> {
+        if self.config.classifier.wants_body(head) {
+            return Some(PeekMode::ErrorBody);
+        }
+        if !head.status.is_success() {
+            return None;
+        }
+        if is_event_stream(head) {
+            return self
+                .config
+                .sse_gate
+                .then(|| PeekMode::Sse(SseScanner::new(self.config.peek_limit)));
+        }
+        self.config.buffer_responses.map(PeekMode::Envelope)
+    }
+
+    fn start_attempt<F, B, R>(&mut self) -> State<F, B, R>
+    where
+        S: Service<Request<ReplayBody>, Future = F>,
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
         self.sent += 1;
         let last = self.attempt >= self.policy().get_max_retries();
         let (mut parts, body) = if last {
@@ -447,7 +715,11 @@ where
             let _enter = span.enter();
             self.service.call(Request::from_parts(parts, body))
         };
-        (future, span)
+        State::Calling {
+            future,
+            timeout: self.head_timeout().map(tokio::time::sleep),
+            span,
+        }
     }
 
     fn sleep<F, B, R>(&mut self, delay: Duration) -> State<F, B, R>
@@ -462,22 +734,18 @@ where
         }
     }
 
-    fn record(
+    /// Builds the response handed to the caller, with the trail when any attempt failed.
+    fn respond<R>(
         &mut self,
-        c: &Classification,
-        status: Option<http::StatusCode>,
-        error: Option<String>,
-    ) {
-        let class = c.class().unwrap_or(FailureClass::Other);
-        self.trail.push(AttemptRecord {
-            attempt: self.attempt,
-            class,
-            status,
-            retry_after: c.retry_after(),
-            delay: None,
-            error,
-            elapsed: self.started.elapsed(),
-        });
+        head: http::response::Parts,
+        body: RetryBody<R>,
+        verdict: &Verdict,
+    ) -> Response<RetryBody<R>> {
+        let mut res = Response::from_parts(head, body);
+        if matches!(verdict, Verdict::GiveUp(_)) || self.attempt > 0 {
+            res.extensions_mut().insert(self.finished_trail());
+        }
+        res
     }
 
     /// Decides between a retry (and its sleep) and giving up, for a failed attempt.
@@ -500,10 +768,16 @@ where
         if self.is_cancelled() {
             return Err(GiveUpReason::Cancelled);
         }
-        match policy.delay(self.attempt + 1, c.retry_after()) {
-            Ok(d) => Ok(d),
-            Err(DelayRefused::RetryAfterTooLong) => Err(GiveUpReason::RetryAfterTooLong),
+        let delay = match policy.delay(self.attempt + 1, c.retry_after()) {
+            Ok(d) => d,
+            Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
+        };
+        if let Some(dl) = self.deadline {
+            if Instant::now() + delay >= dl {
+                return Err(GiveUpReason::Deadline);
+            }
         }
+        Ok(delay)
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {
@@ -515,70 +789,48 @@ where
         self.previous = class;
     }
 
-    fn judge_response(
+    /// Judges one attempt: records a failure, then decides what comes next.
+    fn judge(
         &mut self,
-        head: &http::response::Parts,
-        c: Classification,
+        c: &Classification,
+        status: Option<http::StatusCode>,
+        error: Option<&(dyn std::error::Error + 'static)>,
+        not_sent: bool,
         span: &Span,
-    ) -> Next<Option<RetryTrail>> {
+    ) -> Verdict {
         if c.is_success() {
             if self.attempt > 0 {
                 if let Some(observer) = &self.config.observer {
-                    observer.on_recovered(self.attempt + 1);
+                    observer.on_recovered(self.sent);
                 }
-                tracing::debug!(parent: span, attempts = self.attempt + 1, "LLM request recovered");
-                return Next::Finish(Some(self.finished_trail()));
+                tracing::debug!(parent: span, attempts = self.sent, "LLM request recovered");
             }
-            return Next::Finish(None);
+            return Verdict::Success;
         }
         let class = c.class().unwrap_or(FailureClass::Other);
         span.record("error.type", class.as_str());
-        self.note_class(c.class());
-        self.record(&c, Some(head.status), None);
-        match self.plan(&c, false) {
-            Ok(delay) => {
-                self.announce_retry(&c, Some(head.status), None, delay, span);
-                Next::Retry(delay)
-            }
-            Err(GiveUpReason::Cancelled) => Next::Cancel,
-            Err(reason) => {
-                self.give_up(&c, reason, span);
-                Next::Finish(Some(self.finished_trail()))
-            }
-        }
-    }
-
-    fn judge_error(
-        &mut self,
-        error: &(dyn std::error::Error + 'static),
-        span: &Span,
-    ) -> Next<ErrorKind> {
-        let classifier = &self.config.classifier;
-        let c = classifier.classify_error(error);
-        let not_sent = classifier.request_not_sent(error);
-        let class = c.class().unwrap_or(FailureClass::Transport);
-        span.record("error.type", class.as_str());
         self.note_class(Some(class));
-        self.record(&c, None, Some(error_chain(error)));
-        match self.plan(&c, not_sent) {
+        self.trail.push(AttemptRecord {
+            attempt: self.attempt,
+            class,
+            status,
+            retry_after: c.retry_after(),
+            delay: None,
+            error: error.map(error_chain),
+            elapsed: self.started.elapsed(),
+        });
+        match self.plan(c, not_sent) {
             Ok(delay) => {
-                self.announce_retry(&c, None, Some(error), delay, span);
-                Next::Retry(delay)
+                self.announce_retry(c, status, error, delay, span);
+                Verdict::Retry(delay)
             }
-            Err(GiveUpReason::Cancelled) => Next::Cancel,
+            Err(GiveUpReason::Cancelled) => Verdict::Cancel,
             Err(reason) => {
-                self.give_up(&c, reason, span);
-                Next::Finish(match reason {
-                    GiveUpReason::MaxRetries
-                    | GiveUpReason::RetryAfterTooLong
-                    | GiveUpReason::MaxConsecutiveOverloads => ErrorKind::Exhausted,
-                    GiveUpReason::Budget => ErrorKind::BudgetExhausted,
-                    _ => ErrorKind::Service,
-                })
+                self.give_up(c, reason, span);
+                Verdict::GiveUp(reason)
             }
         }
     }
-
     fn announce_retry(
         &mut self,
         c: &Classification,

@@ -29,6 +29,8 @@ pub(crate) struct Config<C> {
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) observer: Option<Arc<dyn RetryObserver>>,
     pub(crate) attempt_header: Option<HeaderName>,
+    pub(crate) sse_gate: bool,
+    pub(crate) buffer_responses: Option<usize>,
 }
 
 impl RetryLayer {
@@ -44,6 +46,8 @@ impl RetryLayer {
                 cancel: None,
                 observer: None,
                 attempt_header: None,
+                sse_gate: true,
+                buffer_responses: None,
             },
         }
     }
@@ -74,6 +78,8 @@ impl<C> RetryLayer<C> {
                 cancel: c.cancel,
                 observer: c.observer,
                 attempt_header: c.attempt_header,
+                sse_gate: c.sse_gate,
+                buffer_responses: c.buffer_responses,
             },
         }
     }
@@ -117,6 +123,27 @@ impl<C> RetryLayer<C> {
     }
 }
 
+impl<C> RetryLayer<C> {
+    /// Whether `text/event-stream` responses are held back until their first event with
+    /// visible output, so that an in-band error before it can be retried (see
+    /// [`stream`](crate::stream)). Defaults to true.
+    pub fn sse_gate(mut self, on: bool) -> Self {
+        self.config.sse_gate = on;
+        self
+    }
+
+    /// Reads successful non-streaming response bodies whole, up to `cap` bytes, inside the
+    /// retry loop: a body that fails or ends short (reset mid-body, content-length mismatch)
+    /// is then retried as [`FailureClass::TruncatedEnvelope`](crate::FailureClass) instead of
+    /// failing in the caller's hands, and JSON that stopped at the output limit gets an
+    /// [`OutputTruncated`](crate::stream::OutputTruncated) extension. A body larger than `cap`
+    /// is handed on as it streams. Defaults to `None` (bodies stream through untouched).
+    pub fn buffer_responses(mut self, cap: Option<usize>) -> Self {
+        self.config.buffer_responses = cap;
+        self
+    }
+}
+
 impl<S, C: Clone> Layer<S> for RetryLayer<C> {
     type Service = Retry<S, C>;
 
@@ -141,6 +168,8 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("cancellation", &self.cancel.is_some())
             .field("observer", &self.observer.is_some())
             .field("attempt_header", &self.attempt_header)
+            .field("sse_gate", &self.sse_gate)
+            .field("buffer_responses", &self.buffer_responses)
             .finish()
     }
 }

@@ -105,7 +105,9 @@ use http::StatusCode;
 pub use self::body::RetryBody;
 pub use self::future::{HttpResponse, ResponseFuture};
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
-pub use self::policy::{AboveCeiling, ConfigError, Jitter, Random, RetryPolicy, ENV_MAX_RETRIES};
+pub use self::policy::{
+    AboveCeiling, ConfigError, Jitter, Random, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES,
+};
 pub use self::service::Retry;
 
 use crate::classify::FailureClass;

@@ -7,6 +7,9 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+/// The default time to a response head, and between body frames: 600 s, as the official SDKs.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The environment variable [`RetryPolicy::from_env`] reads.
 pub const ENV_MAX_RETRIES: &str = "LLM_MAX_RETRIES";
 
@@ -37,6 +40,9 @@ pub struct RetryPolicy {
     ignore_zero_retry_after: bool,
     backoff_is_floor: bool,
     max_consecutive_overloads: Option<u32>,
+    head_timeout: Option<Duration>,
+    idle_timeout: Option<Duration>,
+    deadline: Option<Duration>,
     random: Random,
 }
 
@@ -219,6 +225,9 @@ impl Default for RetryPolicy {
             ignore_zero_retry_after: false,
             backoff_is_floor: false,
             max_consecutive_overloads: None,
+            head_timeout: Some(DEFAULT_TIMEOUT),
+            idle_timeout: Some(DEFAULT_TIMEOUT),
+            deadline: None,
             random: Random::default(),
         }
     }
@@ -382,6 +391,45 @@ impl RetryPolicy {
     pub fn max_consecutive_overloads(mut self, n: Option<u32>) -> Self {
         self.max_consecutive_overloads = n;
         self
+    }
+
+    /// How long one attempt may wait for its response head; a stall past it is a retryable
+    /// transport failure. `None` waits forever. Defaults to 600 s.
+    pub fn head_timeout(mut self, d: Option<Duration>) -> Self {
+        self.head_timeout = d;
+        self
+    }
+
+    /// How long a response body may go without a frame. Before a stream's commit point this
+    /// is retried; after it the body fails with
+    /// [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout). `None` waits forever.
+    /// Defaults to 600 s.
+    pub fn idle_timeout(mut self, d: Option<Duration>) -> Self {
+        self.idle_timeout = d;
+        self
+    }
+
+    /// A total time budget for one logical request, from the call: no attempt starts after
+    /// it, a retry whose sleep would reach it is not made, and the head timeout of the last
+    /// attempt is cut to what remains. Defaults to none.
+    pub fn deadline(mut self, d: Option<Duration>) -> Self {
+        self.deadline = d;
+        self
+    }
+
+    /// The head timeout, if any.
+    pub fn get_head_timeout(&self) -> Option<Duration> {
+        self.head_timeout
+    }
+
+    /// The idle timeout, if any.
+    pub fn get_idle_timeout(&self) -> Option<Duration> {
+        self.idle_timeout
+    }
+
+    /// The total deadline, if any.
+    pub fn get_deadline(&self) -> Option<Duration> {
+        self.deadline
     }
 
     /// The most retries after the first attempt.
