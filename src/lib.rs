@@ -54,6 +54,18 @@
 //! | feature | what it adds |
 //! |---|---|
 //! | `mock` | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests |
+//! | `reqwest` | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
+//! | `reqwest-middleware` | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` |
+//!
+//! # Where it plugs in
+//!
+//! - hyper-util's legacy `Client` is a `Service<Request<ReplayBody>>` as it is (example
+//!   `hyper_client`).
+//! - reqwest: wrap the client in [`reqwest::ReqwestService`], or add
+//!   [`reqwest_middleware::RetryMiddleware`] to a `reqwest_middleware::ClientBuilder`
+//!   (examples `reqwest_client`, `reqwest_middleware`).
+//! - axum: keep the stack in the router state as a `tower::util::BoxCloneSyncService` and
+//!   forward to it from a handler, streaming the response back (example `axum_proxy`).
 
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -69,6 +81,12 @@ pub mod stream;
 #[cfg(feature = "mock")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub mod mock;
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub mod reqwest;
+#[cfg(feature = "reqwest-middleware")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
+pub mod reqwest_middleware;
 
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};

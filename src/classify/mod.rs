@@ -374,6 +374,10 @@ pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
                 return true;
             }
         }
+        #[cfg(feature = "reqwest")]
+        if crate::reqwest::is_connect_error(e) {
+            return true;
+        }
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
             if io.kind() == std::io::ErrorKind::ConnectionRefused {
                 return true;

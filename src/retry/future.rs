@@ -693,6 +693,7 @@ where
         }
         let span = tracing::debug_span!(
             "llm_retry.attempt",
+            "otel.kind" = "client",
             "http.request.method" = %parts.method,
             "server.address" = parts.uri.host().unwrap_or(""),
             "http.request.resend_count" = tracing::field::Empty,

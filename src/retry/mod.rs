@@ -104,6 +104,7 @@ use http::StatusCode;
 
 pub use self::body::RetryBody;
 pub use self::future::{HttpResponse, ResponseFuture};
+pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
 pub use self::policy::{
     AboveCeiling, ConfigError, Jitter, Random, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES,
