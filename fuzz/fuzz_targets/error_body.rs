@@ -1,0 +1,21 @@
+//! The error-body classifier on arbitrary bytes and statuses: never panics, and a 2xx is
+//! always a success.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tower_llm_retry::{Classify, DefaultClassifier};
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&code, body)) = data.split_first() else {
+        return;
+    };
+    let status = [200u16, 400, 401, 408, 409, 413, 429, 500, 503, 529][code as usize % 10];
+    let head = http::Response::builder()
+        .status(status)
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let c = DefaultClassifier::new().classify_response(&head, Some(body));
+    assert_eq!(c.is_success(), status == 200);
+});
