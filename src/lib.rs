@@ -63,6 +63,7 @@
 pub mod body;
 pub mod classify;
 mod error;
+pub mod json_edit;
 pub mod retry;
 
 #[cfg(feature = "mock")]
