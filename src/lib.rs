@@ -72,7 +72,9 @@ pub mod mock;
 
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
-pub use crate::error::{AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail};
+pub use crate::error::{
+    AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
+};
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
     RetryObserver, RetryPolicy,

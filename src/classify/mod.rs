@@ -6,6 +6,7 @@
 //!
 //! | condition | verdict |
 //! |---|---|
+//! | a layer inside gave its final word: [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) | no retry; the error reaches the caller as it is |
 //! | inner service error before a response head | retry, [`FailureClass::Transport`] |
 //! | 2xx | success |
 //! | `x-should-retry: true` / `false` | obeyed, whatever the status |
@@ -38,7 +39,7 @@
 //! }
 //! ```
 
-mod error_body;
+pub(crate) mod error_body;
 pub mod headers;
 
 use std::fmt;
@@ -319,8 +320,35 @@ impl Classify for DefaultClassifier {
         verdict.with_retry_after(retry_after)
     }
 
-    fn classify_error(&self, _error: &(dyn std::error::Error + 'static)) -> Classification {
+    fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
+        let mut next = Some(error);
+        while let Some(e) = next {
+            if let Some(e) = e.downcast_ref::<crate::Error>() {
+                match e.kind() {
+                    crate::ErrorKind::TokenRefresh => {
+                        return Classification::fail(FailureClass::Unauthorized)
+                    }
+                    crate::ErrorKind::FallbackTriggered => {
+                        return Classification::fail(FailureClass::Overloaded)
+                    }
+                    _ => {}
+                }
+            }
+            next = e.source();
+        }
         Classification::retry(FailureClass::Transport)
+    }
+}
+
+/// Whether a response is an overload, as [`DefaultClassifier`] judges it: a 529, or a 4xx or
+/// 5xx whose body says `overloaded_error`.
+pub(crate) fn is_overloaded(status: StatusCode, body: Option<&[u8]>) -> bool {
+    match FailureClass::from_status(status) {
+        Some(FailureClass::Overloaded) => true,
+        Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited) => {
+            body.is_some_and(|b| body_signal(b) == BodySignal::Overloaded)
+        }
+        _ => false,
     }
 }
 
