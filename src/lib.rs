@@ -63,6 +63,7 @@
 pub mod body;
 pub mod classify;
 mod error;
+pub mod fallback;
 pub mod json_edit;
 pub mod retry;
 
@@ -75,6 +76,7 @@ pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureCl
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
 };
+pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
     RetryObserver, RetryPolicy,

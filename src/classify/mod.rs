@@ -9,6 +9,7 @@
 //! | a layer inside gave its final word: [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) | no retry; the error reaches the caller as it is |
 //! | inner service error before a response head | retry, [`FailureClass::Transport`] |
 //! | 2xx | success |
+//! | an overload from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, [`FailureClass::Overloaded`] |
 //! | `x-should-retry: true` / `false` | obeyed, whatever the status |
 //! | 429 whose body says the quota or spend limit is exhausted | no retry, [`FailureClass::QuotaExhausted`] |
 //! | 408, 409, 429, 500–599 | retry; 529 or an `overloaded_error` body → [`FailureClass::Overloaded`] |
@@ -305,6 +306,15 @@ impl Classify for DefaultClassifier {
             Some(class) => class,
             None => FailureClass::Other,
         };
+        if class == FailureClass::Overloaded
+            && head
+                .extensions
+                .get::<crate::fallback::ModelUsed>()
+                .is_some_and(|m| m.chain_exhausted)
+        {
+            // Every model of the chain has had its turn; the response goes back as it is.
+            return Classification::fail(class).with_retry_after(retry_after);
+        }
         let verdict = match headers::parse_should_retry(&head.headers) {
             Some(true) => Classification::retry(class),
             Some(false) => Classification::fail(class),

@@ -45,9 +45,11 @@ pub struct Script {
     pub(super) capacity: Option<Capacity>,
 }
 
+type RuleFn = dyn Fn(&RecordedRequest) -> Option<Reply> + Send + Sync;
+
 /// A reply chosen by the content of the request.
 #[derive(Clone)]
-pub(super) struct Rule(Arc<dyn Fn(&RecordedRequest) -> Option<Reply> + Send + Sync>);
+pub(super) struct Rule(Arc<RuleFn>);
 
 impl Rule {
     pub(super) fn reply(&self, request: &RecordedRequest) -> Option<Reply> {
