@@ -65,6 +65,7 @@ pub mod classify;
 mod error;
 pub mod fallback;
 pub mod json_edit;
+pub mod overflow;
 pub mod retry;
 
 #[cfg(feature = "mock")]
@@ -77,6 +78,9 @@ pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
+pub use crate::overflow::{
+    ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
+};
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
     RetryObserver, RetryPolicy,
