@@ -60,6 +60,7 @@
 #![warn(unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod auth;
 pub mod body;
 pub mod classify;
 mod error;
@@ -72,6 +73,9 @@ pub mod retry;
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub mod mock;
 
+pub use crate::auth::{
+    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, RefreshingToken, Token, TokenSource,
+};
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
 pub use crate::error::{
