@@ -4,9 +4,8 @@
 //! Prompt caches key on the exact bytes of a request. Parsing a body into a
 //! `serde_json::Value` and writing it back would reorder keys, re-escape strings and reformat
 //! numbers, so a fallback model or a smaller `max_tokens` would also cost the cache. These
-//! functions find the byte span of one top-level value (through `serde_json`'s
-//! [`RawValue`](serde_json::value::RawValue), which borrows it from the input) and splice the new
-//! value in its place.
+//! functions find the byte span of one top-level value (through `serde_json`'s [`RawValue`],
+//! which borrows it from the input) and splice the new value in its place.
 //!
 //! Every function answers `None` rather than guess when the body is not exactly one JSON
 //! object, lacks the key, or names it more than once; the layers built on them then pass the
