@@ -119,7 +119,8 @@ pub mod retry;
 pub mod mock;
 
 pub use crate::auth::{
-    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, RefreshingToken, Token, TokenSource,
+    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, CredentialHeader, RefreshingToken, Token,
+    TokenSource,
 };
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
