@@ -422,3 +422,31 @@ async fn a_body_too_large_to_buffer_gets_its_credential_but_no_resend() {
         ["Bearer tok-old", "Bearer tok-new-1"]
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_token_near_expiry_is_refreshed_before_it_is_sent() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let url = server.url("/v1/messages");
+    // 100 s left: inside the advisory window (120 s); 20 s left: inside the mandatory one (30 s).
+    for left in [100, 20] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        let source = RefreshingToken::new(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, std::io::Error>(Token::new("tok-renewed")) }
+        })
+        .initial(Token::new("tok-aging").expires_in(Duration::from_secs(left)))
+        .unwrap();
+        let svc = ServiceBuilder::new()
+            .layer(RetryLayer::new())
+            .layer(AuthLayer::new(source))
+            .service(http_client());
+        let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "{left} s left");
+    }
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-renewed", "Bearer tok-renewed"]
+    );
+}
