@@ -1,16 +1,20 @@
 //! Request bodies that can be sent more than once.
 
+use std::any::Any;
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::combinators::{Collect, UnsyncBoxBody};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use pin_project_lite::pin_project;
 use sync_wrapper::SyncWrapper;
 
-use crate::error::BoxError;
+use crate::error::{BoxError, Error, ErrorKind};
 
 /// Anthropic's request size limit, used as the default buffering cap.
 pub const DEFAULT_BODY_LIMIT: usize = 32 * 1024 * 1024;
@@ -91,6 +95,18 @@ impl ReplayBody {
     /// Whether this body can be sent again, that is, it was buffered.
     pub fn is_replayable(&self) -> bool {
         matches!(self.kind, Kind::Buffered { data: Some(_), .. })
+    }
+
+    /// A replayable body with `data` in place of these bytes and the same trailers: what a
+    /// layer sends after rewriting one field. `None` for a body that is not replayable.
+    pub(crate) fn with_data(&self, data: Bytes) -> Option<Self> {
+        match &self.kind {
+            Kind::Buffered {
+                data: Some(_),
+                trailers,
+            } => Some(Self::buffered(data, trailers.clone())),
+            _ => None,
+        }
     }
 
     /// A second handle on the same bytes, without copying them; `None` for a one-shot
@@ -194,6 +210,124 @@ impl Body for ReplayBody {
     }
 }
 
+/// Takes `body` as a [`ReplayBody`] when that is what it is, so a layer inside
+/// [`RetryLayer`](crate::RetryLayer) reuses the bytes it buffered instead of reading them again.
+fn as_replay_body<B: 'static>(body: B) -> Result<ReplayBody, B> {
+    let mut slot = Some(body);
+    match (&mut slot as &mut dyn Any).downcast_mut::<Option<ReplayBody>>() {
+        Some(replay) => Ok(replay.take().expect("the slot was just filled")),
+        None => Err(slot.expect("the slot was just filled")),
+    }
+}
+
+pin_project! {
+    /// Turns the caller's body into a [`ReplayBody`], for the layers that may send a request
+    /// more than once.
+    ///
+    /// A `ReplayBody` is taken as it is (inside `RetryLayer` its clones share one buffer). Any
+    /// other body is read into memory under `limit`, as `RetryLayer` does: one whose size hint
+    /// says up front that it is over the limit becomes a one-shot streaming body, and one that
+    /// only turns out too large while it is read fails with [`ErrorKind::BodyTooLarge`].
+    #[project = PrepareProj]
+    pub(crate) enum PrepareBody<B>
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        Ready { body: Option<ReplayBody> },
+        Collecting { #[pin] collect: Collect<Limited<B>> },
+    }
+}
+
+impl<B> PrepareBody<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    pub(crate) fn new(body: B, limit: usize) -> Self {
+        match as_replay_body(body) {
+            Ok(body) => PrepareBody::Ready { body: Some(body) },
+            Err(body) if body.size_hint().lower() > limit as u64 => PrepareBody::Ready {
+                body: Some(ReplayBody::streaming(StreamingData { inner: body })),
+            },
+            Err(body) => PrepareBody::Collecting {
+                collect: Limited::new(body, limit).collect(),
+            },
+        }
+    }
+}
+
+impl<B> Future for PrepareBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<ReplayBody, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            PrepareProj::Ready { body } => Poll::Ready(Ok(body
+                .take()
+                .expect("PrepareBody polled after completion"))),
+            PrepareProj::Collecting { collect } => match ready!(collect.poll(cx)) {
+                Ok(collected) => {
+                    let trailers = collected.trailers().cloned();
+                    Poll::Ready(Ok(ReplayBody::buffered(collected.to_bytes(), trailers)))
+                }
+                Err(e) => Poll::Ready(Err(body_error(e))),
+            },
+        }
+    }
+}
+
+/// The error for a request body that could not be buffered.
+pub(crate) fn body_error(e: BoxError) -> Error {
+    let kind = if e.is::<LengthLimitError>() {
+        ErrorKind::BodyTooLarge
+    } else {
+        ErrorKind::BodyRead
+    };
+    Error::new(kind).with_source(e)
+}
+
+pin_project! {
+    /// Adapts a caller's body to `Bytes` data and boxed errors for the pass-through path.
+    pub(crate) struct StreamingData<B> {
+        #[pin]
+        pub(crate) inner: B,
+    }
+}
+
+impl<B> Body for StreamingData<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.project().inner.poll_frame(cx).map(|f| {
+            f.map(|r| {
+                r.map(|frame| frame.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+                    .map_err(Into::into)
+            })
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +366,49 @@ mod tests {
         let body = ReplayBody::from("secret-key-material");
         let s = format!("{body:?}");
         assert!(!s.contains("secret"), "{s}");
+    }
+
+    #[tokio::test]
+    async fn prepare_reuses_a_replay_body() {
+        let original = Bytes::from(vec![3u8; 1024]);
+        let body = PrepareBody::new(ReplayBody::new(original.clone()), 16)
+            .await
+            .unwrap();
+        // Under the limit or not, a ReplayBody is taken as is: same buffer, no copy.
+        assert_eq!(body.as_bytes().unwrap().as_ptr(), original.as_ptr());
+    }
+
+    #[tokio::test]
+    async fn prepare_buffers_other_bodies_under_the_limit() {
+        let full = http_body_util::Full::new(Bytes::from_static(b"hello"));
+        let body = PrepareBody::new(full, 16).await.unwrap();
+        assert_eq!(&body.as_bytes().unwrap()[..], b"hello");
+        let full = http_body_util::Full::new(Bytes::from_static(b"hello"));
+        let body = PrepareBody::new(full, 4).await.unwrap();
+        assert!(!body.is_replayable());
+        // No size hint: the cap is found while reading.
+        let err = PrepareBody::new(Unsized(vec![b"abc", b"def"]), 4)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BodyTooLarge);
+    }
+
+    struct Unsized(Vec<&'static [u8]>);
+
+    impl Body for Unsized {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+            if self.0.is_empty() {
+                return Poll::Ready(None);
+            }
+            let chunk = self.0.remove(0);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(chunk)))))
+        }
     }
 
     #[tokio::test]

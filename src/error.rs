@@ -53,6 +53,10 @@ pub enum ErrorKind {
     /// Reading the response body failed after it was handed to the caller (for a stream:
     /// after the commit point, when nothing is re-sent).
     ResponseBody,
+    /// The model was overloaded often enough that the caller should switch to another one.
+    /// The source is a [`FallbackTriggered`] naming both, also reachable through
+    /// [`Error::fallback_triggered`].
+    FallbackTriggered,
 }
 
 impl ErrorKind {
@@ -69,6 +73,7 @@ impl ErrorKind {
             ErrorKind::IdleTimeout => "idle_timeout",
             ErrorKind::FallbackExhausted => "fallback_exhausted",
             ErrorKind::ResponseBody => "response_body",
+            ErrorKind::FallbackTriggered => "fallback_triggered",
         }
     }
 
@@ -84,6 +89,7 @@ impl ErrorKind {
             ErrorKind::IdleTimeout => "response body idle timeout",
             ErrorKind::FallbackExhausted => "every fallback model was overloaded",
             ErrorKind::ResponseBody => "failed to read the response body",
+            ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
         }
     }
 }
@@ -180,7 +186,62 @@ impl Error {
     pub fn is_fallback_exhausted(&self) -> bool {
         self.kind() == ErrorKind::FallbackExhausted
     }
+
+    /// Returns true for [`ErrorKind::FallbackTriggered`].
+    pub fn is_fallback_triggered(&self) -> bool {
+        self.kind() == ErrorKind::FallbackTriggered
+    }
+
+    /// The models to switch between, for an [`ErrorKind::FallbackTriggered`] error.
+    pub fn fallback_triggered(&self) -> Option<&FallbackTriggered> {
+        self.inner.source.as_ref()?.downcast_ref()
+    }
+
+    /// Errors that an inner layer raises as its final word on the request: the retry loop
+    /// neither retries them nor wraps them, so the caller sees their own kind.
+    pub(crate) fn is_final(&self) -> bool {
+        matches!(
+            self.kind(),
+            ErrorKind::TokenRefresh | ErrorKind::FallbackTriggered
+        )
+    }
 }
+
+/// The source of an [`ErrorKind::FallbackTriggered`] error: which model was overloaded and
+/// which one to use instead.
+///
+/// Returned by [`ModelFallbackLayer`](crate::ModelFallbackLayer) in
+/// [signal mode](crate::fallback::FallbackMode::Signal), for callers that pick models
+/// themselves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FallbackTriggered {
+    /// The model that was overloaded.
+    pub from: String,
+    /// The next model of the fallback chain.
+    pub to: String,
+}
+
+impl FallbackTriggered {
+    pub(crate) fn new(from: impl Into<String>, to: impl Into<String>) -> Self {
+        FallbackTriggered {
+            from: from.into(),
+            to: to.into(),
+        }
+    }
+}
+
+impl fmt::Display for FallbackTriggered {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "model `{}` is overloaded; fall back to `{}`",
+            self.from, self.to
+        )
+    }
+}
+
+impl std::error::Error for FallbackTriggered {}
 
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -394,6 +455,25 @@ mod tests {
         assert!(err.is_exhausted());
         let src = std::error::Error::source(&err).unwrap();
         assert_eq!(src.to_string(), "reset by peer");
+    }
+
+    #[test]
+    fn fallback_triggered_names_both_models() {
+        let err = Error::new(ErrorKind::FallbackTriggered).with_source(FallbackTriggered::new(
+            "claude-opus-4-1",
+            "claude-sonnet-4-5",
+        ));
+        assert!(err.is_fallback_triggered());
+        assert!(err.is_final());
+        let f = err.fallback_triggered().unwrap();
+        assert_eq!(
+            (f.from.as_str(), f.to.as_str()),
+            ("claude-opus-4-1", "claude-sonnet-4-5")
+        );
+        assert_eq!(ErrorKind::FallbackTriggered.as_str(), "fallback_triggered");
+        assert!(Error::new(ErrorKind::Exhausted)
+            .fallback_triggered()
+            .is_none());
     }
 
     #[test]

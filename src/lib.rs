@@ -39,6 +39,47 @@
 //! `401` / context-overflow `400`s (left to dedicated layers). See [`classify`] for the full
 //! table and [`retry`] for the loop.
 //!
+//! Three companion layers go inside it, each in its own module:
+//!
+//! ```text
+//! caller ──► RetryLayer ──► ModelFallbackLayer ──► ContextOverflowLayer ──► AuthLayer ──► HTTP client
+//! ```
+//!
+//! - [`ModelFallbackLayer`] ([`fallback`]): after 3 consecutive overloads of a request, the
+//!   next attempt goes to the next model of a chain; or, in signal mode, the caller is told to
+//!   switch.
+//! - [`ContextOverflowLayer`] ([`overflow`]): a `max_tokens` that does not fit the context
+//!   window is lowered and the request re-sent at once; a prompt that is too long is handed
+//!   back with its numbers.
+//! - [`AuthLayer`] ([`auth`]): the credential on every request, one refresh and re-send on
+//!   `401` (single-flight), and rotation through a key pool on rate limits.
+//!
+//! The two that rewrite the body change one top-level JSON value and leave every other byte as
+//! it was ([`json_edit`]), so prompt caches still match. Each also works on its own, buffering
+//! the body itself.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use tower::{service_fn, ServiceBuilder};
+//! use tower_llm_retry::{ApiKey, AuthLayer, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
+//! #     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
+//! # });
+//! let client = ServiceBuilder::new()
+//!     .layer(RetryLayer::new())
+//!     .layer(ModelFallbackLayer::new(["claude-sonnet-4-5"])?)
+//!     .layer(ContextOverflowLayer::new())
+//!     .layer(AuthLayer::new(ApiKey::new("sk-ant-api03-...")?))
+//!     .service(http_client);
+//! # let _ = client;
+//! # Ok(()) }
+//! ```
+//!
 //! # Defaults
 //!
 //! | setting | default |
@@ -46,8 +87,12 @@
 //! | retries | 10 |
 //! | backoff | 0.5 s doubling to 32 s, plus 0–25 % jitter |
 //! | `Retry-After` | honoured as sent up to 60 s; above, the response is returned without retry |
-//! | body buffering cap | 32 MiB |
-//! | error-body peek | 64 KiB |
+//! | body buffering cap | 32 MiB (each layer) |
+//! | error-body peek | 64 KiB (each layer) |
+//! | model fallback | after 3 consecutive overloads; not sticky; rewrite mode |
+//! | `max_tokens` repair | `max(3,000, limit − input − 1,000)`, at least `thinking.budget_tokens + 1`; once, at once |
+//! | token refresh | ahead of expiry: advisory 120 s, mandatory 30 s; after a failure, 1 s doubling to 30 s |
+//! | rate-limited pool key | rests for the `Retry-After`, or 5 s without one |
 //!
 //! # Features
 //!
@@ -72,9 +117,13 @@
 #![warn(unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod auth;
 pub mod body;
 pub mod classify;
 mod error;
+pub mod fallback;
+pub mod json_edit;
+pub mod overflow;
 pub mod retry;
 pub mod stream;
 
@@ -88,10 +137,19 @@ pub mod reqwest;
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
 pub mod reqwest_middleware;
 
+pub use crate::auth::{
+    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, CredentialHeader, RefreshingToken, Token,
+    TokenSource,
+};
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
 pub use crate::error::{
-    AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut, TimeoutKind,
+    AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
+    TimedOut, TimeoutKind,
+};
+pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
+pub use crate::overflow::{
+    ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
 };
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,

@@ -37,6 +37,19 @@ impl Capture {
     }
 }
 
+/// A TRACE-level subscriber that drops everything, for the tests that do not capture.
+///
+/// tracing caches, process-wide, whether a callsite is enabled, judged by the subscriber of
+/// the thread that reaches it first. A test thread without a subscriber would cache "never"
+/// for the callsites the capturing test below asserts on; with this one it caches "yes".
+fn discard_all_tracing() -> tracing::subscriber::DefaultGuard {
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(std::io::sink)
+        .finish();
+    tracing::subscriber::set_default(subscriber)
+}
+
 fn secret_request(uri: &str) -> Request<Full<Bytes>> {
     Request::post(uri)
         .header("x-api-key", API_KEY)
@@ -48,6 +61,7 @@ fn secret_request(uri: &str) -> Request<Full<Bytes>> {
 
 #[tokio::test(start_paused = true)]
 async fn observer_sees_each_retry_then_the_recovery() {
+    let _tracing = discard_all_tracing();
     let server = MockServer::start(
         Script::new()
             .then(Reply::status(503))
@@ -130,6 +144,7 @@ async fn observer_sees_each_retry_then_the_recovery() {
 
 #[tokio::test(start_paused = true)]
 async fn give_up_reports_the_whole_trail_once() {
+    let _tracing = discard_all_tracing();
     let server = MockServer::start(Script::always(Reply::overloaded()))
         .await
         .unwrap();

@@ -89,9 +89,146 @@ pub(crate) fn body_signal(body: &[u8]) -> BodySignal {
     }
 }
 
+/// What a context-overflow error message says, with its numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Overflow {
+    /// Anthropic's `input length and `max_tokens` exceed context limit: A + B > C`: the prompt
+    /// fits, the room asked for the answer does not, so a smaller `max_tokens` repairs it.
+    MaxTokens {
+        input: u64,
+        max_tokens: u64,
+        limit: u64,
+    },
+    /// The prompt alone does not fit (Anthropic's `prompt is too long: X tokens > Y maximum`,
+    /// OpenAI's `context_length_exceeded`): only a shorter prompt or a larger window helps.
+    Prompt {
+        input: Option<u64>,
+        limit: Option<u64>,
+    },
+}
+
+/// Reads a context-overflow error body, Anthropic's or OpenAI's; `None` for anything else.
+pub(crate) fn context_overflow(body: &[u8]) -> Option<Overflow> {
+    if body_signal(body) != BodySignal::ContextOverflow {
+        return None;
+    }
+    let message = match serde_json::from_slice::<Envelope<'_>>(body) {
+        Ok(Envelope { error: Some(e) }) => e.message.unwrap_or_default(),
+        _ => Default::default(),
+    };
+    if let Some(rest) = after(&message, "exceed context limit:") {
+        let mut p = Numbers(rest);
+        if let (Some(input), Some(()), Some(max_tokens), Some(()), Some(limit)) = (
+            p.number(),
+            p.symbol('+'),
+            p.number(),
+            p.symbol('>'),
+            p.number(),
+        ) {
+            return Some(Overflow::MaxTokens {
+                input,
+                max_tokens,
+                limit,
+            });
+        }
+    }
+    if let Some(rest) = after(&message, "prompt is too long:") {
+        let mut p = Numbers(rest);
+        let input = p.number();
+        let limit = p
+            .word("tokens")
+            .and_then(|()| p.symbol('>'))
+            .and_then(|()| p.number());
+        return Some(Overflow::Prompt { input, limit });
+    }
+    // OpenAI: "This model's maximum context length is 8192 tokens. However, your messages
+    // resulted in 9000 tokens." or "... you requested 9000 tokens (8000 in the messages, ...".
+    let limit = after(&message, "maximum context length is").and_then(|r| Numbers(r).number());
+    let input = after(&message, "resulted in")
+        .or_else(|| after(&message, "tokens ("))
+        .and_then(|r| Numbers(r).number());
+    Some(Overflow::Prompt { input, limit })
+}
+
+fn after<'a>(haystack: &'a str, marker: &str) -> Option<&'a str> {
+    haystack.find(marker).map(|i| &haystack[i + marker.len()..])
+}
+
+/// A tiny scanner for the numbers in an error message.
+struct Numbers<'a>(&'a str);
+
+impl Numbers<'_> {
+    fn number(&mut self) -> Option<u64> {
+        let s = self.0.trim_start();
+        let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let n = s[..end].parse().ok()?;
+        self.0 = &s[end..];
+        Some(n)
+    }
+
+    fn symbol(&mut self, c: char) -> Option<()> {
+        self.0 = self.0.trim_start().strip_prefix(c)?;
+        Some(())
+    }
+
+    fn word(&mut self, w: &str) -> Option<()> {
+        self.0 = self.0.trim_start().strip_prefix(w)?;
+        Some(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overflow_numbers() {
+        let b = br#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 197000 + 21333 > 200000, decrease input length or `max_tokens` and try again"}}"#;
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::MaxTokens {
+                input: 197_000,
+                max_tokens: 21_333,
+                limit: 200_000
+            })
+        );
+        let b = br#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: Some(210_000),
+                limit: Some(200_000)
+            })
+        );
+        let b = br#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens. Please reduce the length of the messages.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: Some(9000),
+                limit: Some(8192)
+            })
+        );
+        let b = br#"{"error":{"message":"This model's maximum context length is 128000 tokens. However, you requested 130000 tokens (129000 in the messages, 1000 in the completion).","type":"invalid_request_error","code":"context_length_exceeded"}}"#;
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: Some(129_000),
+                limit: Some(128_000)
+            })
+        );
+        // Recognised, but the numbers are not where they should be.
+        let b = br#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit"}}"#;
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: None,
+                limit: None
+            })
+        );
+        let b = br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        assert_eq!(context_overflow(b), None);
+        assert_eq!(context_overflow(b"garbage"), None);
+    }
 
     #[test]
     fn anthropic_shapes() {

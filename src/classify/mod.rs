@@ -6,8 +6,10 @@
 //!
 //! | condition | verdict |
 //! |---|---|
+//! | a layer inside gave its final word: [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) | no retry; the error reaches the caller as it is |
 //! | inner service error before a response head | retry, [`FailureClass::Transport`] |
 //! | 2xx | success |
+//! | an overload from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, [`FailureClass::Overloaded`] |
 //! | `x-should-retry: true` / `false` | obeyed, whatever the status |
 //! | 429 whose body says the quota or spend limit is exhausted | no retry, [`FailureClass::QuotaExhausted`] |
 //! | 408, 409, 429, 500–599 | retry; 529 or an `overloaded_error` body → [`FailureClass::Overloaded`] |
@@ -38,7 +40,7 @@
 //! }
 //! ```
 
-mod error_body;
+pub(crate) mod error_body;
 pub mod headers;
 
 use std::fmt;
@@ -318,6 +320,15 @@ impl Classify for DefaultClassifier {
             Some(class) => class,
             None => FailureClass::Other,
         };
+        if class == FailureClass::Overloaded
+            && head
+                .extensions
+                .get::<crate::fallback::ModelUsed>()
+                .is_some_and(|m| m.chain_exhausted)
+        {
+            // Every model of the chain has had its turn; the response goes back as it is.
+            return Classification::fail(class).with_retry_after(retry_after);
+        }
         let verdict = match headers::parse_should_retry(&head.headers) {
             Some(true) => Classification::retry(class),
             Some(false) => Classification::fail(class),
@@ -333,8 +344,35 @@ impl Classify for DefaultClassifier {
         verdict.with_retry_after(retry_after)
     }
 
-    fn classify_error(&self, _error: &(dyn std::error::Error + 'static)) -> Classification {
+    fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
+        let mut next = Some(error);
+        while let Some(e) = next {
+            if let Some(e) = e.downcast_ref::<crate::Error>() {
+                match e.kind() {
+                    crate::ErrorKind::TokenRefresh => {
+                        return Classification::fail(FailureClass::Unauthorized)
+                    }
+                    crate::ErrorKind::FallbackTriggered => {
+                        return Classification::fail(FailureClass::Overloaded)
+                    }
+                    _ => {}
+                }
+            }
+            next = e.source();
+        }
         Classification::retry(FailureClass::Transport)
+    }
+}
+
+/// Whether a response is an overload, as [`DefaultClassifier`] judges it: a 529, or a 4xx or
+/// 5xx whose body says `overloaded_error`.
+pub(crate) fn is_overloaded(status: StatusCode, body: Option<&[u8]>) -> bool {
+    match FailureClass::from_status(status) {
+        Some(FailureClass::Overloaded) => true,
+        Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited) => {
+            body.is_some_and(|b| body_signal(b) == BodySignal::Overloaded)
+        }
+        _ => false,
     }
 }
 

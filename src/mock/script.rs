@@ -1,5 +1,6 @@
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -9,13 +10,16 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::json::{array, object, Null};
+use super::server::RecordedRequest;
 
 /// What the server does with each request it receives.
 ///
 /// A script is a queue of [`Reply`] steps, consumed one per request in
 /// arrival order, followed by a fallback reply used once the steps run out.
 /// An optional [`Capacity`] limiter runs in front of the steps: a request it
-/// rejects is answered with `429` and does not consume a step.
+/// rejects is answered with `429` and does not consume a step. Rules added with
+/// [`Script::when`] run in front of both: they answer a request by what it
+/// carries (a credential, a model) rather than by when it arrives.
 ///
 /// # Example
 ///
@@ -35,19 +39,92 @@ use super::json::{array, object, Null};
 /// ```
 #[derive(Clone, Debug)]
 pub struct Script {
+    pub(super) rules: Vec<Rule>,
     pub(super) steps: VecDeque<Reply>,
     pub(super) otherwise: Reply,
     pub(super) capacity: Option<Capacity>,
+}
+
+type RuleFn = dyn Fn(&RecordedRequest) -> Option<Reply> + Send + Sync;
+
+/// A reply chosen by the content of the request.
+#[derive(Clone)]
+pub(super) struct Rule(Arc<RuleFn>);
+
+impl Rule {
+    pub(super) fn reply(&self, request: &RecordedRequest) -> Option<Reply> {
+        (self.0)(request)
+    }
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Rule")
+    }
 }
 
 impl Script {
     /// Creates an empty script: every request gets [`Reply::success`].
     pub fn new() -> Self {
         Self {
+            rules: Vec::new(),
             steps: VecDeque::new(),
             otherwise: Reply::success(),
             capacity: None,
         }
+    }
+
+    /// Adds a rule that looks at each request first: when `rule` returns a
+    /// reply, the request gets it, ahead of the capacity limiter and the
+    /// steps, and consumes no step. Rules run in the order they were added.
+    ///
+    /// ```
+    /// use tower_llm_retry::mock::{Reply, Script};
+    ///
+    /// // Requests for one model are overloaded; everything else follows the steps.
+    /// let script = Script::new().when(|req| {
+    ///     let model = req.json().ok()?.get("model")?.as_str()?.to_owned();
+    ///     (model == "claude-opus-4-1").then(Reply::overloaded)
+    /// });
+    /// # drop(script);
+    /// ```
+    pub fn when(
+        mut self,
+        rule: impl Fn(&RecordedRequest) -> Option<Reply> + Send + Sync + 'static,
+    ) -> Self {
+        self.rules.push(Rule(Arc::new(rule)));
+        self
+    }
+
+    /// Answers [`Reply::unauthorized`] to every request whose `header` is
+    /// missing or holds none of the `accepted` values, as a provider does for
+    /// an unknown or expired credential. A rule, as [`Script::when`] adds.
+    ///
+    /// ```
+    /// use tower_llm_retry::mock::Script;
+    ///
+    /// let script = Script::new().require_header("x-api-key", ["sk-new"]);
+    /// # drop(script);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// Panics if `header` is not a valid header name.
+    pub fn require_header<I, V>(self, header: &str, accepted: I) -> Self
+    where
+        I: IntoIterator<Item = V>,
+        V: Into<String>,
+    {
+        let name = HeaderName::from_bytes(header.as_bytes())
+            .unwrap_or_else(|e| panic!("invalid header name {header:?}: {e}"));
+        let accepted: Vec<String> = accepted.into_iter().map(Into::into).collect();
+        self.when(move |req| {
+            let ok = req
+                .headers
+                .get(&name)
+                .is_some_and(|v| accepted.iter().any(|a| v.as_bytes() == a.as_bytes()));
+            (!ok).then(Reply::unauthorized)
+        })
     }
 
     /// Creates a script that answers every request with `reply`.
@@ -302,6 +379,36 @@ impl Reply {
             },
         };
         Self::status(status).json_text(body.into_string())
+    }
+
+    /// `401` with an Anthropic `authentication_error` body, as sent for a
+    /// missing, unknown or expired credential.
+    pub fn unauthorized() -> Self {
+        Self::anthropic_error(401, "authentication_error", "invalid x-api-key")
+    }
+
+    /// `400` with Anthropic's message for a request whose prompt fits but
+    /// whose `max_tokens` does not:
+    /// `input length and `max_tokens` exceed context limit: input + max_tokens > limit`.
+    pub fn context_overflow(input: u64, max_tokens: u64, limit: u64) -> Self {
+        Self::anthropic_error(
+            400,
+            "invalid_request_error",
+            &format!(
+                "input length and `max_tokens` exceed context limit: {input} + {max_tokens} > {limit}, \
+                 decrease input length or `max_tokens` and try again"
+            ),
+        )
+    }
+
+    /// `400` with Anthropic's message for a prompt that alone exceeds the
+    /// context window: `prompt is too long: tokens tokens > maximum maximum`.
+    pub fn prompt_too_long(tokens: u64, maximum: u64) -> Self {
+        Self::anthropic_error(
+            400,
+            "invalid_request_error",
+            &format!("prompt is too long: {tokens} tokens > {maximum} maximum"),
+        )
     }
 
     /// `529` with an Anthropic `overloaded_error` body.

@@ -21,7 +21,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-use super::script::{success_body, End, Payload, Reply, Script, SseEvent, TokenBucket};
+use super::script::{success_body, End, Payload, Reply, Rule, Script, SseEvent, TokenBucket};
 
 /// A fake LLM provider: a real HTTP/1 server on `127.0.0.1` that answers
 /// according to a [`Script`].
@@ -71,6 +71,7 @@ impl MockServer {
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
+                rules: script.rules,
                 steps: script.steps,
                 otherwise: script.otherwise,
                 bucket: script.capacity.as_ref().map(|c| c.bucket()),
@@ -165,6 +166,7 @@ struct Shared {
 }
 
 struct State {
+    rules: Vec<Rule>,
     steps: VecDeque<Reply>,
     otherwise: Reply,
     bucket: Option<TokenBucket>,
@@ -184,6 +186,10 @@ impl Shared {
         let index = state.requests.len();
         state.requests.push(request);
 
+        let request = &state.requests[index];
+        if let Some(reply) = state.rules.iter().find_map(|rule| rule.reply(request)) {
+            return (index, reply);
+        }
         if let Some(bucket) = &mut state.bucket {
             if let Err(rejected) = bucket.acquire(now) {
                 return (index, rejected);

@@ -96,6 +96,16 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
+    /// Reads frames until `limit` bytes are held or the body ends (or fails).
+    pub(crate) fn poll_fill(&mut self, cx: &mut Context<'_>, limit: usize) -> Poll<()> {
+        while self.len < limit && !self.is_finished() {
+            if let Read::End = std::task::ready!(self.poll_read(cx)) {
+                break;
+            }
+        }
+        Poll::Ready(())
+    }
+
     /// Reads one frame of the inner body and keeps it.
     pub(crate) fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<Read> {
         loop {

@@ -4,11 +4,10 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::combinators::Collect;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -19,7 +18,7 @@ use super::body::{Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
-use crate::body::ReplayBody;
+use crate::body::{body_error, ReplayBody, StreamingData};
 use crate::classify::{Classification, Classify, FailureClass};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
@@ -264,12 +263,7 @@ where
                     }
                     Err(e) => {
                         this.state.set(State::Done);
-                        let kind = if e.is::<LengthLimitError>() {
-                            ErrorKind::BodyTooLarge
-                        } else {
-                            ErrorKind::BodyRead
-                        };
-                        return Poll::Ready(Err(Error::new(kind).with_source(e)));
+                        return Poll::Ready(Err(body_error(e)));
                     }
                 },
                 StateProj::Passthrough { future } => {
@@ -365,10 +359,12 @@ where
                                 }
                                 Verdict::GiveUp(reason) => {
                                     this.state.set(State::Done);
-                                    let err = Error::new(give_up_kind(reason))
-                                        .with_source(e)
-                                        .with_trail(ctx.finished_trail());
-                                    return Poll::Ready(Err(err));
+                                    let trail = ctx.finished_trail();
+                                    return Poll::Ready(Err(finish_error(
+                                        give_up_kind(reason),
+                                        e,
+                                        trail,
+                                    )));
                                 }
                                 Verdict::Success => {
                                     // A classifier that calls an error a success still
@@ -889,6 +885,22 @@ where
     }
 }
 
+/// The error for an attempt that failed without a response and is not retried.
+///
+/// An inner layer's own final error (a credential that could not be refreshed, a signal to
+/// switch models) reaches the caller as it is, with the trail added; anything else is wrapped
+/// in an error of `kind`.
+fn finish_error(kind: ErrorKind, e: BoxError, trail: RetryTrail) -> Error {
+    if kind == ErrorKind::Service {
+        match e.downcast::<Error>() {
+            Ok(inner) if inner.is_final() => return (*inner).with_trail(trail),
+            Ok(inner) => return Error::new(kind).with_source(*inner).with_trail(trail),
+            Err(e) => return Error::new(kind).with_source(e).with_trail(trail),
+        }
+    }
+    Error::new(kind).with_source(e).with_trail(trail)
+}
+
 /// The top-level `"model"` of a JSON request body, for the tracing span.
 fn request_model(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
@@ -896,42 +908,4 @@ fn request_model(body: &[u8]) -> Option<String> {
         model: Option<String>,
     }
     serde_json::from_slice::<Model>(body).ok()?.model
-}
-
-pin_project! {
-    /// Adapts a caller's body to `Bytes` data and boxed errors for the pass-through path.
-    struct StreamingData<B> {
-        #[pin]
-        inner: B,
-    }
-}
-
-impl<B> Body for StreamingData<B>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        use bytes::Buf;
-        self.project().inner.poll_frame(cx).map(|f| {
-            f.map(|r| {
-                r.map(|frame| frame.map_data(|mut d| d.copy_to_bytes(d.remaining())))
-                    .map_err(Into::into)
-            })
-        })
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
 }

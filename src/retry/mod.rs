@@ -92,7 +92,7 @@
 //! refused). [`NoRetry`] turns retries off for one request, and a [`RetryPolicy`] in the
 //! request extensions replaces the layer's policy for that request.
 
-mod body;
+pub(crate) mod body;
 mod future;
 mod layer;
 mod policy;

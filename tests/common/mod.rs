@@ -94,3 +94,28 @@ impl RetryObserver for Recorder {
         self.0.lock().unwrap().push(Seen::GaveUp(trail.clone()));
     }
 }
+
+/// Asserts that `sent` is `original` with the value of the top-level `key` replaced by the
+/// JSON text `value`, every other byte untouched.
+pub fn assert_only_value_changed(original: &[u8], sent: &[u8], key: &str, value: &str) {
+    use tower_llm_retry::json_edit::value_span;
+    let before = value_span(original, key).expect("the original has the key");
+    let after = value_span(sent, key).expect("the sent body has the key");
+    assert_eq!(before.start, after.start, "the bytes before `{key}` moved");
+    assert_eq!(&sent[..after.start], &original[..before.start]);
+    assert_eq!(
+        std::str::from_utf8(&sent[after.clone()]).unwrap(),
+        value,
+        "the new value of `{key}`"
+    );
+    assert_eq!(
+        &sent[after.end..],
+        &original[before.end..],
+        "the bytes after `{key}` changed"
+    );
+}
+
+/// A retry policy without jitter, so sleeps are exact.
+pub fn exact_policy() -> tower_llm_retry::RetryPolicy {
+    tower_llm_retry::RetryPolicy::default().jitter(tower_llm_retry::retry::Jitter::none())
+}

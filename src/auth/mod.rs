@@ -1,0 +1,114 @@
+//! Credentials: one on every request, refreshed once on `401`, rotated on rate limits.
+//!
+//! [`AuthLayer`] takes its credentials from a [`TokenSource`] and sets the credential header
+//! on every request it sends, marked sensitive
+//! ([`HeaderValue::set_sensitive`](http::HeaderValue::set_sensitive)) so that HTTP/2 never
+//! indexes it and `Debug` never prints it. Inside [`RetryLayer`](crate::RetryLayer) that is
+//! every attempt, so a retry after a long backoff carries the credential current at that time.
+//!
+//! - **`401`**: the layer tells the source, which drops the rejected credential if it is
+//!   still the current one, then fetches a fresh one and re-sends the very same bytes, once.
+//!   A second `401` is returned as it is. With [`RefreshingToken`] the refresh is
+//!   single-flight: a thousand concurrent `401`s cause one call of the refresh function.
+//! - **`429` with a key pool**: when the body shows a rate limit (not an exhausted quota),
+//!   the key rests for the `Retry-After` and the request is re-sent at once with the next
+//!   usable key of the [`ApiKeyPool`]. When every key rests, the `429` goes back up, and
+//!   `RetryLayer` waits and retries as usual.
+//! - A credential that cannot be had ends the request with
+//!   [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), which `RetryLayer` returns
+//!   at once rather than retrying.
+//!
+//! Re-sends happen within one `RetryLayer` attempt; what the layer did is on the response as
+//! an [`AuthOutcome`] extension, and in `INFO` tracing events (which never carry a credential).
+//!
+//! # Example
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//! use tower_llm_retry::auth::{ApiKey, AuthLayer};
+//! use tower_llm_retry::{ReplayBody, RetryLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let http_client = service_fn(|req: Request<ReplayBody>| async move {
+//! #     assert!(req.headers()["x-api-key"].is_sensitive());
+//! #     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
+//! # });
+//! # std::env::set_var("ANTHROPIC_API_KEY", "sk-ant-api03-example");
+//! let key = std::env::var("ANTHROPIC_API_KEY")?;
+//! let client = ServiceBuilder::new()
+//!     .layer(RetryLayer::new())
+//!     .layer(AuthLayer::new(ApiKey::new(&key)?))
+//!     .service(http_client);
+//!
+//! let request = Request::post("https://api.anthropic.com/v1/messages")
+//!     .body(Full::new(Bytes::from_static(br#"{"model":"claude-sonnet-4-5","max_tokens":64}"#)))?;
+//! let response = client.oneshot(request).await?;
+//! # let _ = response;
+//! # Ok(()) }
+//! ```
+//!
+//! # Customised
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_llm_retry::auth::{ApiKeyPool, AuthLayer, CredentialHeader, RefreshingToken, Token};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Several keys for one provider, moved between on rate limits.
+//! let pool = AuthLayer::new(ApiKeyPool::new(["sk-ant-api03-a", "sk-ant-api03-b"])?);
+//!
+//! // An OAuth token from an async function, refreshed ahead of expiry and on 401.
+//! # async fn exchange_refresh_token() -> std::io::Result<(String, u64)> { Ok(("t".into(), 3600)) }
+//! let oauth = AuthLayer::new(
+//!     RefreshingToken::new(|| async {
+//!         let (token, expires_in) = exchange_refresh_token().await?;
+//!         Ok::<_, std::io::Error>(Token::new(token).expires_in(Duration::from_secs(expires_in)))
+//!     })
+//!     .header(CredentialHeader::Bearer)
+//!     .refresh_windows(Duration::from_secs(300), Duration::from_secs(60))?,
+//! );
+//! # let _ = (pool, oauth);
+//! # Ok(()) }
+//! ```
+//!
+//! # Where it goes
+//!
+//! Innermost, right above the HTTP client, so that every request that leaves carries the
+//! credential current at that moment. On its own it buffers the body (up to 32 MiB) to be
+//! able to re-send it; a body that could not be buffered is sent once with its credential and
+//! never re-sent.
+
+mod api_key;
+mod credential;
+mod future;
+mod layer;
+mod refresh;
+mod service;
+
+pub use self::api_key::{ApiKey, ApiKeyPool};
+pub use self::credential::{
+    Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource,
+};
+pub use self::future::ResponseFuture;
+pub use self::layer::AuthLayer;
+pub use self::refresh::{RefreshingToken, Token};
+pub use self::service::Auth;
+
+/// Response extension: what [`AuthLayer`] did to get this response.
+///
+/// Set when the layer re-sent the request, or when the credential came from an
+/// [`ApiKeyPool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct AuthOutcome {
+    /// A `401` was answered by re-sending with a fresh credential.
+    pub refreshed: bool,
+    /// How many times a rate-limited key was swapped for another and the request re-sent.
+    pub rotations: u32,
+    /// Which key of the pool this response came from, counting from 0.
+    pub key_index: Option<usize>,
+}

@@ -1,0 +1,89 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::layer::Config;
+use crate::body::ReplayBody;
+use crate::error::BoxError;
+use crate::retry::RetryBody;
+
+/// Middleware that puts a credential on every request, refreshes it once on `401`, and moves
+/// to another key of a pool on a rate limit.
+///
+/// Built by [`AuthLayer`](super::AuthLayer); see the [module docs](crate::auth). Errors of
+/// the inner service pass through untouched; the layer's own
+/// ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), and body errors when it
+/// buffers the body itself) are an [`Error`](crate::Error), boxed.
+pub struct Auth<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> Auth<S> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
+        Auth { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone> Clone for Auth<S> {
+    fn clone(&self) -> Self {
+        Auth {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Auth<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Auth")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for Auth<S>
+where
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<RetryBody<ResBody>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(inner, self.config.clone(), req)
+    }
+}

@@ -1,0 +1,290 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use http::{Request, Response, StatusCode};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use serde::Deserialize;
+use tower_service::Service;
+
+use super::layer::Config;
+use super::{ContextOverflow, OverflowRepaired};
+use crate::body::{PrepareBody, ReplayBody};
+use crate::classify::error_body::{context_overflow, Overflow};
+use crate::error::BoxError;
+use crate::json_edit;
+use crate::retry::body::Peeked;
+use crate::retry::{HttpResponse, RetryBody};
+
+type ResBodyOf<S> = <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
+
+pin_project! {
+    /// The response future of [`ContextOverflowService`](super::ContextOverflowService).
+    pub struct ResponseFuture<S, B>
+    where
+        S: Service<Request<ReplayBody>>,
+        S::Response: HttpResponse,
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        #[pin]
+        state: State<S::Future, B, ResBodyOf<S>>,
+        ctx: Ctx<S>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, B, R>
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        Preparing { #[pin] prepare: PrepareBody<B> },
+        Calling { #[pin] future: F },
+        Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>> },
+        // The inner service is polled ready again before the re-send.
+        Resending { body: Option<ReplayBody> },
+        Done,
+    }
+}
+
+struct Ctx<S> {
+    service: S,
+    config: Arc<Config>,
+    /// The request head and body, kept while a re-send is still possible.
+    parts: Option<http::request::Parts>,
+    body: Option<ReplayBody>,
+    repaired: Option<OverflowRepaired>,
+}
+
+impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>>,
+    S::Response: HttpResponse,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("repaired", &self.ctx.repaired)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>>,
+    S::Response: HttpResponse,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    pub(crate) fn new(service: S, config: Arc<Config>, req: Request<B>) -> Self {
+        let (parts, body) = req.into_parts();
+        let prepare = PrepareBody::new(body, config.body_limit);
+        ResponseFuture {
+            state: State::Preparing { prepare },
+            ctx: Ctx {
+                service,
+                config,
+                parts: Some(parts),
+                body: None,
+                repaired: None,
+            },
+        }
+    }
+}
+
+impl<S, B, ResBody> Future for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    type Output = Result<Response<RetryBody<ResBody>>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let ctx = this.ctx;
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Preparing { prepare } => {
+                    let body = match ready!(prepare.poll(cx)) {
+                        Ok(body) => body,
+                        Err(e) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(e.into()));
+                        }
+                    };
+                    let parts = ctx
+                        .parts
+                        .take()
+                        .expect("the request head is kept until sent");
+                    // Keep what a re-send needs; a body that cannot be replayed goes once.
+                    let req = match body.try_clone() {
+                        Some(copy) => {
+                            ctx.parts = Some(parts.clone());
+                            ctx.body = Some(body);
+                            Request::from_parts(parts, copy)
+                        }
+                        None => Request::from_parts(parts, body),
+                    };
+                    // The service was polled ready before `call`.
+                    let future = ctx.service.call(req);
+                    this.state.set(State::Calling { future });
+                }
+                StateProj::Calling { future } => {
+                    let (head, body) = match ready!(future.poll(cx)) {
+                        Ok(res) => res.into_parts(),
+                        Err(e) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(e.into()));
+                        }
+                    };
+                    if matches!(
+                        head.status,
+                        StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE
+                    ) {
+                        this.state.set(State::Peeking {
+                            head: Some(head),
+                            peeked: Some(Peeked::new(body)),
+                        });
+                        continue;
+                    }
+                    this.state.set(State::Done);
+                    return Poll::Ready(Ok(ctx.finish(head, RetryBody::plain(body, None), None)));
+                }
+                StateProj::Peeking { head, peeked } => {
+                    let limit = ctx.config.peek_limit;
+                    ready!(peeked
+                        .as_mut()
+                        .expect("peek state holds the body")
+                        .poll_fill(cx, limit));
+                    let head = head.take().expect("peek state holds the head");
+                    let peeked = peeked.take().expect("peek state holds the body");
+                    let overflow = context_overflow(&peeked.contiguous());
+                    if let Some(overflow) = overflow {
+                        if let Some(body) = ctx.repair(overflow) {
+                            // The overflow response is dropped; its replacement is re-sent now.
+                            this.state.set(State::Resending { body: Some(body) });
+                            continue;
+                        }
+                    }
+                    this.state.set(State::Done);
+                    let overflow = overflow.map(ContextOverflow::from);
+                    return Poll::Ready(Ok(ctx.finish(
+                        head,
+                        RetryBody::peeked(peeked, None),
+                        overflow,
+                    )));
+                }
+                StateProj::Resending { body } => {
+                    if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(e.into()));
+                    }
+                    let body = body.take().expect("resend state holds the body");
+                    let parts = ctx
+                        .parts
+                        .take()
+                        .expect("the request head is kept for a re-send");
+                    ctx.body = None;
+                    let future = ctx.service.call(Request::from_parts(parts, body));
+                    this.state.set(State::Calling { future });
+                }
+                StateProj::Done => panic!("ResponseFuture polled after completion"),
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Thinking {
+    budget_tokens: Option<u64>,
+}
+
+impl<S> Ctx<S> {
+    /// The body to re-send for this overflow, if there is a repair and no re-send yet.
+    fn repair(&mut self, overflow: Overflow) -> Option<ReplayBody> {
+        let body = self.body.as_ref()?;
+        let bytes = body.as_bytes()?;
+        if let Overflow::MaxTokens { input, limit, .. } = overflow {
+            if let Some((from, to)) = self.smaller_max_tokens(bytes, input, limit) {
+                let repaired = json_edit::replace_value(bytes, "max_tokens", &to)
+                    .and_then(|data| body.with_data(data));
+                if let Some(repaired) = repaired {
+                    tracing::info!(
+                        input_tokens = input,
+                        context_limit = limit,
+                        from,
+                        to,
+                        "max_tokens exceeds the context window; re-sending with less"
+                    );
+                    self.repaired = Some(OverflowRepaired::MaxTokens { from, to });
+                    return Some(repaired);
+                }
+            }
+        }
+        let to = self.config.context_window_fallback.as_deref()?;
+        let from = json_edit::read_value::<String>(bytes, "model")?;
+        if from == to {
+            return None;
+        }
+        let repaired =
+            json_edit::replace_value(bytes, "model", to).and_then(|data| body.with_data(data))?;
+        tracing::info!(
+            from = from.as_str(),
+            to,
+            "the request does not fit the context window; re-sending to a larger one"
+        );
+        self.repaired = Some(OverflowRepaired::Model {
+            from,
+            to: to.to_owned(),
+        });
+        Some(repaired)
+    }
+
+    /// `max_tokens` as sent and as it should be, when lowering it makes the request fit.
+    fn smaller_max_tokens(&self, bytes: &[u8], input: u64, limit: u64) -> Option<(u64, u64)> {
+        let from: u64 = json_edit::read_value(bytes, "max_tokens")?;
+        let config = &self.config;
+        let mut to = limit
+            .saturating_sub(input)
+            .saturating_sub(config.margin)
+            .max(config.floor);
+        let budget =
+            json_edit::read_value::<Thinking>(bytes, "thinking").and_then(|t| t.budget_tokens);
+        if let Some(budget) = budget {
+            to = to.max(budget.saturating_add(1));
+        }
+        // Only a smaller value that fits is worth a request.
+        (to < from && input.saturating_add(to) <= limit).then_some((from, to))
+    }
+
+    fn finish<R>(
+        &mut self,
+        head: http::response::Parts,
+        body: RetryBody<R>,
+        overflow: Option<ContextOverflow>,
+    ) -> Response<RetryBody<R>> {
+        let mut res = Response::from_parts(head, body);
+        if let Some(repaired) = self.repaired.take() {
+            res.extensions_mut().insert(repaired);
+        }
+        if let Some(overflow) = overflow {
+            tracing::debug!(
+                input_tokens = overflow.input_tokens,
+                context_limit = overflow.limit,
+                "the request does not fit the context window"
+            );
+            res.extensions_mut().insert(overflow);
+        }
+        res
+    }
+}

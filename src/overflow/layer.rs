@@ -1,0 +1,109 @@
+use std::fmt;
+use std::sync::Arc;
+
+use tower_layer::Layer;
+
+use super::ContextOverflowService;
+use crate::body::DEFAULT_BODY_LIMIT;
+use crate::retry::DEFAULT_PEEK_LIMIT;
+
+/// Applies [`ContextOverflowService`] to a service: a request whose `max_tokens` does not fit
+/// the context window is re-sent once with a smaller one. See the
+/// [module docs](crate::overflow).
+#[derive(Clone)]
+#[must_use]
+pub struct ContextOverflowLayer {
+    pub(crate) config: Config,
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) floor: u64,
+    pub(crate) margin: u64,
+    pub(crate) context_window_fallback: Option<String>,
+    pub(crate) body_limit: usize,
+    pub(crate) peek_limit: usize,
+}
+
+impl ContextOverflowLayer {
+    /// A layer with the default floor (3,000 tokens) and margin (1,000 tokens).
+    pub fn new() -> Self {
+        ContextOverflowLayer {
+            config: Config {
+                floor: 3_000,
+                margin: 1_000,
+                context_window_fallback: None,
+                body_limit: DEFAULT_BODY_LIMIT,
+                peek_limit: DEFAULT_PEEK_LIMIT,
+            },
+        }
+    }
+
+    /// The least `max_tokens` a repair sends: an answer shorter than this is not worth having.
+    /// When even this much does not fit, the request is not re-sent with a smaller
+    /// `max_tokens`. Defaults to 3,000.
+    pub fn floor(mut self, tokens: u64) -> Self {
+        self.config.floor = tokens;
+        self
+    }
+
+    /// Tokens kept free below the context limit, since token counts vary a little from one
+    /// request to the next. Defaults to 1,000.
+    pub fn margin(mut self, tokens: u64) -> Self {
+        self.config.margin = tokens;
+        self
+    }
+
+    /// A model with a larger context window, tried once when the overflow cannot be repaired
+    /// by lowering `max_tokens` (the prompt itself is too long). Defaults to none.
+    pub fn context_window_fallback(mut self, model: impl Into<String>) -> Self {
+        self.config.context_window_fallback = Some(model.into());
+        self
+    }
+
+    /// The most request-body bytes buffered when the layer is used without `RetryLayer`
+    /// around it; a larger body passes through once, untouched. Defaults to 32 MiB.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.config.body_limit = bytes;
+        self
+    }
+
+    /// The most bytes of a `400` or `413` body read to recognise an overflow; the caller still
+    /// receives the whole body. Defaults to 64 KiB.
+    pub fn peek_limit(mut self, bytes: usize) -> Self {
+        self.config.peek_limit = bytes;
+        self
+    }
+}
+
+impl Default for ContextOverflowLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for ContextOverflowLayer {
+    type Service = ContextOverflowService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ContextOverflowService::from_config(inner, Arc::new(self.config.clone()))
+    }
+}
+
+impl fmt::Debug for ContextOverflowLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ContextOverflowLayer")
+            .field("floor", &self.floor)
+            .field("margin", &self.margin)
+            .field("context_window_fallback", &self.context_window_fallback)
+            .field("body_limit", &self.body_limit)
+            .field("peek_limit", &self.peek_limit)
+            .finish()
+    }
+}

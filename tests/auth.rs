@@ -1,0 +1,452 @@
+//! AuthLayer against the mock server: the credentials the server saw on each request, the
+//! bytes it received, how often the refresh function ran, and what the caller gets back.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use tokio::task::JoinSet;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::auth::{
+    ApiKey, ApiKeyPool, AuthLayer, AuthOutcome, CredentialHeader, RefreshingToken, Token,
+};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::{ErrorKind, FailureClass, ReplayBody, RetryLayer, RetryTrail};
+
+/// A refreshing source that starts with `tok-old` and hands out `tok-new-1`, `tok-new-2`, …,
+/// counting its calls; each call takes 10 ms, so concurrent requests pile up behind it.
+fn refreshing(fail: bool) -> (RefreshingToken, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let source = RefreshingToken::new(move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if fail {
+                Err(std::io::Error::other("identity provider down"))
+            } else {
+                Ok(Token::new(format!("tok-new-{n}")).expires_in(Duration::from_secs(3600)))
+            }
+        }
+    })
+    .initial(Token::new("tok-old").expires_in(Duration::from_secs(3600)))
+    .unwrap();
+    (source, calls)
+}
+
+fn seen_header(server: &MockServer, name: &str) -> Vec<String> {
+    server
+        .requests()
+        .iter()
+        .map(|r| r.headers[name].to_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_401_refreshes_once_and_resends_the_same_bytes() {
+    let server =
+        MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
+            .await
+            .unwrap();
+    let (source, calls) = refreshing(false);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-old", "Bearer tok-new-1"]
+    );
+    let seen = server.requests();
+    assert!(seen
+        .iter()
+        .all(|r| sha256(&r.body) == sha256(BODY.as_bytes())));
+    assert!(seen
+        .iter()
+        .all(|r| r.headers["anthropic-version"] == "2023-06-01"));
+    let outcome = res.extensions().get::<AuthOutcome>().unwrap();
+    assert!(outcome.refreshed);
+    assert_eq!(outcome.rotations, 0);
+    // One attempt as far as the retry loop is concerned.
+    assert!(res.extensions().get::<RetryTrail>().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_401_is_returned_as_is() {
+    let server = MockServer::start(Script::new().require_header("authorization", ["nothing"]))
+        .await
+        .unwrap();
+    let (source, calls) = refreshing(false);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(server.request_count(), 2);
+    assert!(res.extensions().get::<AuthOutcome>().unwrap().refreshed);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.total_attempts(), 1);
+    assert_eq!(trail.attempts()[0].class, FailureClass::Unauthorized);
+    let body: serde_json::Value = serde_json::from_slice(&body_bytes(res).await).unwrap();
+    assert_eq!(body["error"]["type"], "authentication_error");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_static_key_is_not_resent_after_a_401() {
+    let server = MockServer::start(Script::new().require_header("x-api-key", ["sk-other"]))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(ApiKey::new("sk-ant-test").unwrap()))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-ant-test"]);
+    assert!(res.extensions().get::<AuthOutcome>().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thousand_concurrent_401s_cause_one_refresh() {
+    let server =
+        MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
+            .await
+            .unwrap();
+    let (source, calls) = refreshing(false);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let mut all = JoinSet::new();
+    for _ in 0..1000 {
+        let req = anthropic_request(&url, BODY);
+        all.spawn(svc.clone().oneshot(req));
+    }
+    while let Some(res) = all.join_next().await {
+        let res = res.unwrap().unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.extensions().get::<AuthOutcome>().unwrap().refreshed);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let seen = seen_header(&server, "authorization");
+    assert_eq!(seen.len(), 2000);
+    assert_eq!(seen.iter().filter(|v| *v == "Bearer tok-old").count(), 1000);
+    assert_eq!(
+        seen.iter().filter(|v| *v == "Bearer tok-new-1").count(),
+        1000
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_refresh_is_a_typed_error_for_every_waiter_and_backs_off() {
+    let server = MockServer::start(Script::new().require_header("authorization", ["never"]))
+        .await
+        .unwrap();
+    let (source, calls) = refreshing(true);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let mut all = JoinSet::new();
+    for _ in 0..20 {
+        all.spawn(svc.clone().oneshot(anthropic_request(&url, BODY)));
+    }
+    while let Some(res) = all.join_next().await {
+        let err = res.unwrap().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+        assert!(err.is_token_refresh());
+        // Not retried by the retry loop: one attempt, the 401.
+        assert_eq!(err.trail().unwrap().total_attempts(), 1);
+        let cause = std::error::Error::source(&err).unwrap().to_string();
+        assert_eq!(cause, "identity provider down");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(server.request_count(), 20);
+
+    // Within the backoff, a request fails at once: no refresh, nothing sent.
+    let err = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(server.request_count(), 20);
+
+    // After it (1 s), one more try.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let err = svc
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(server.request_count(), 20);
+}
+
+fn limit_key(key: &'static str, retry_after: &'static str) -> Script {
+    Script::new().when(move |req| {
+        (req.headers["x-api-key"] == key).then(|| Reply::rate_limited(retry_after))
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_key_is_swapped_at_once() {
+    let server = MockServer::start(limit_key("sk-a", "30")).await.unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"]).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-a", "sk-b"]);
+    assert_eq!(seen[1].received_at - seen[0].received_at, Duration::ZERO);
+    assert_eq!(sha256(&seen[0].body), sha256(&seen[1].body));
+    let outcome = *res.extensions().get::<AuthOutcome>().unwrap();
+    assert!(!outcome.refreshed);
+    assert_eq!(outcome.rotations, 1);
+    assert_eq!(outcome.key_index, Some(1));
+    assert!(res.extensions().get::<RetryTrail>().is_none());
+
+    // While sk-a rests, the next request goes straight to sk-b.
+    let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(seen_header(&server, "x-api-key")[2], "sk-b");
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_every_key_rests_the_429_takes_the_ordinary_retry_path() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("2"))
+            .then(Reply::rate_limited("2")),
+    )
+    .await
+    .unwrap();
+    let recorder = Recorder::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(exact_policy())
+                .observer(recorder.clone()),
+        )
+        .layer(AuthLayer::new(ApiKeyPool::new(["sk-a", "sk-b"]).unwrap()))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-a", "sk-b", "sk-a"]);
+    let seen = server.requests();
+    assert_eq!(seen[1].received_at - seen[0].received_at, Duration::ZERO);
+    assert_eq!(
+        seen[2].received_at - seen[1].received_at,
+        Duration::from_secs(2)
+    );
+    assert_eq!(recorder.delays(), [Duration::from_secs(2)]);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.total_attempts(), 2);
+    assert_eq!(
+        trail.attempts()[0].retry_after,
+        Some(Duration::from_secs(2))
+    );
+    assert_eq!(
+        res.extensions().get::<AuthOutcome>().unwrap().key_index,
+        Some(0)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_quota_is_not_rotated() {
+    let server = MockServer::start(Script::always(Reply::openai_error(
+        429,
+        "insufficient_quota",
+        "You exceeded your current quota",
+    )))
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(ApiKeyPool::new(["sk-a", "sk-b"]).unwrap()))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(server.request_count(), 1);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.attempts()[0].class, FailureClass::QuotaExhausted);
+    // The caller still gets the body the layer read.
+    let body: serde_json::Value = serde_json::from_slice(&body_bytes(res).await).unwrap();
+    assert_eq!(body["error"]["code"], "insufficient_quota");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_single_key_takes_the_ordinary_path() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("1")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(ApiKeyPool::new(["sk-only"]).unwrap()))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[1].received_at - seen[0].received_at,
+        Duration::from_secs(1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_credential_is_set_on_every_attempt_and_marked_sensitive() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::status(503))
+            .then(Reply::overloaded()),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(
+            ApiKey::with_header("sk-proj-test", CredentialHeader::Bearer).unwrap(),
+        ))
+        .map_request(|req: Request<ReplayBody>| {
+            assert!(req.headers()["authorization"].is_sensitive());
+            req
+        })
+        .service(http_client());
+    // A caller's own value for the header is replaced, not doubled.
+    let mut req = anthropic_request(&server.url("/v1/chat/completions"), BODY);
+    req.headers_mut()
+        .insert("authorization", "Bearer stale".parse().unwrap());
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer sk-proj-test"; 3]
+    );
+    assert!(server
+        .requests()
+        .iter()
+        .all(|r| r.headers.get_all("authorization").iter().count() == 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn works_alone_and_buffers_the_body_itself() {
+    let server =
+        MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
+            .await
+            .unwrap();
+    let (source, calls) = refreshing(false);
+    let svc = ServiceBuilder::new()
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let seen = server.requests();
+    assert_eq!(sha256(&seen[0].body), sha256(&seen[1].body));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_too_large_to_buffer_gets_its_credential_but_no_resend() {
+    let server =
+        MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
+            .await
+            .unwrap();
+    let (source, calls) = refreshing(false);
+    let svc = ServiceBuilder::new()
+        .layer(AuthLayer::new(source.clone()).body_limit(16))
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Full::new(Bytes::from_static(BODY.as_bytes())))
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(seen_header(&server, "authorization"), ["Bearer tok-old"]);
+    // The rejected token was still dropped: the next request gets a fresh one.
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    let svc = ServiceBuilder::new()
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-old", "Bearer tok-new-1"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_near_expiry_is_refreshed_before_it_is_sent() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let url = server.url("/v1/messages");
+    // 100 s left: inside the advisory window (120 s); 20 s left: inside the mandatory one (30 s).
+    for left in [100, 20] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        let source = RefreshingToken::new(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, std::io::Error>(Token::new("tok-renewed")) }
+        })
+        .initial(Token::new("tok-aging").expires_in(Duration::from_secs(left)))
+        .unwrap();
+        let svc = ServiceBuilder::new()
+            .layer(RetryLayer::new())
+            .layer(AuthLayer::new(source))
+            .service(http_client());
+        let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "{left} s left");
+    }
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-renewed", "Bearer tok-renewed"]
+    );
+}

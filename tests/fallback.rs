@@ -1,0 +1,391 @@
+//! ModelFallbackLayer inside RetryLayer, against the mock server: which model each attempt
+//! went to, byte for byte, and what the caller gets back.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::fallback::FallbackMode;
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::{
+    ErrorKind, FailureClass, GiveUpReason, ModelFallbackLayer, ModelUsed, RetryLayer, RetryTrail,
+};
+
+/// Pretty-printed, with a nested `"model"` that must never change.
+const OPUS: &str = r#"{
+  "model" : "claude-opus-4-1",
+  "max_tokens": 8192,
+  "system": [{"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}}],
+  "messages": [{"role": "user", "content": "Name a \"model\" of car. \u00e9"}],
+  "metadata": {"model": "not this one"}
+}"#;
+
+const OPUS_MODEL: &str = "claude-opus-4-1";
+const SONNET: &str = "claude-sonnet-4-5";
+const HAIKU: &str = "claude-haiku-4-5";
+
+fn models_sent(server: &MockServer) -> Vec<String> {
+    server
+        .requests()
+        .iter()
+        .map(|r| r.json().unwrap()["model"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+async fn start(script: Script) -> MockServer {
+    MockServer::start(script).await.unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn three_overloads_send_the_fourth_attempt_to_the_fallback() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(ModelFallbackLayer::new([SONNET, HAIKU]).unwrap())
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        models_sent(&server),
+        [OPUS_MODEL, OPUS_MODEL, OPUS_MODEL, SONNET]
+    );
+    let seen = server.requests();
+    for r in &seen[..3] {
+        assert_eq!(sha256(&r.body), sha256(OPUS.as_bytes()));
+    }
+    assert_only_value_changed(
+        OPUS.as_bytes(),
+        &seen[3].body,
+        "model",
+        "\"claude-sonnet-4-5\"",
+    );
+    // Headers are the caller's, on every attempt.
+    assert!(seen
+        .iter()
+        .all(|r| r.headers["anthropic-version"] == "2023-06-01"));
+
+    let used = res.extensions().get::<ModelUsed>().unwrap();
+    assert_eq!(used.model, SONNET);
+    assert_eq!(used.requested, OPUS_MODEL);
+    assert!(used.is_fallback());
+    assert!(!used.chain_exhausted);
+    assert_eq!(
+        res.extensions()
+            .get::<RetryTrail>()
+            .unwrap()
+            .total_attempts(),
+        4
+    );
+    let body: serde_json::Value = serde_json::from_slice(&body_bytes(res).await).unwrap();
+    assert_eq!(
+        body["model"], SONNET,
+        "the mock echoes the model it was sent"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn another_failure_resets_the_count() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::status(503))
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // Four overloads in five attempts, never three in a row: the primary every time.
+    assert_eq!(models_sent(&server), [OPUS_MODEL; 5]);
+    assert!(server
+        .requests()
+        .iter()
+        .all(|r| sha256(&r.body) == sha256(OPUS.as_bytes())));
+    assert!(!res.extensions().get::<ModelUsed>().unwrap().is_fallback());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_chain_is_followed_model_by_model() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET, HAIKU])
+                .unwrap()
+                .threshold(2)
+                .unwrap(),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        models_sent(&server),
+        [OPUS_MODEL, OPUS_MODEL, SONNET, SONNET, HAIKU]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_for_a_chain_model_falls_back_to_the_models_after_it() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET, HAIKU])
+                .unwrap()
+                .threshold(1)
+                .unwrap(),
+        )
+        .service(http_client());
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":10}"#;
+    svc.oneshot(anthropic_request(&server.url("/v1/messages"), body))
+        .await
+        .unwrap();
+    assert_eq!(models_sent(&server), [SONNET, HAIKU]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_chain_returns_the_last_response_with_the_trail() {
+    let server = start(Script::always(Reply::overloaded())).await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET])
+                .unwrap()
+                .threshold(2)
+                .unwrap(),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status().as_u16(), 529);
+    assert_eq!(
+        models_sent(&server),
+        [OPUS_MODEL, OPUS_MODEL, SONNET, SONNET]
+    );
+    let used = res.extensions().get::<ModelUsed>().unwrap().clone();
+    assert_eq!(used.model, SONNET);
+    assert!(used.chain_exhausted);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.total_attempts(), 4);
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::NotRetryable));
+    assert!(trail
+        .attempts()
+        .iter()
+        .all(|a| a.class == FailureClass::Overloaded));
+    // The body is the server's, unchanged.
+    let body: serde_json::Value = serde_json::from_slice(&body_bytes(res).await).unwrap();
+    assert_eq!(body["error"]["type"], "overloaded_error");
+}
+
+#[tokio::test(start_paused = true)]
+async fn sticky_mode_keeps_later_requests_on_the_fallback_for_the_cooldown() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .otherwise(Reply::success()),
+    )
+    .await;
+    let layer = ModelFallbackLayer::new([SONNET])
+        .unwrap()
+        .sticky(Duration::from_secs(300));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(layer)
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    svc.clone()
+        .oneshot(anthropic_request(&url, OPUS))
+        .await
+        .unwrap();
+    // A later request starts on the fallback, and a clone of the stack shares that.
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, OPUS))
+        .await
+        .unwrap();
+    assert!(res.extensions().get::<ModelUsed>().unwrap().is_fallback());
+    // After the cooldown, the primary again.
+    tokio::time::sleep(Duration::from_secs(101)).await;
+    let res = svc.oneshot(anthropic_request(&url, OPUS)).await.unwrap();
+    assert!(!res.extensions().get::<ModelUsed>().unwrap().is_fallback());
+    assert_eq!(
+        models_sent(&server),
+        [OPUS_MODEL, OPUS_MODEL, OPUS_MODEL, SONNET, SONNET, OPUS_MODEL]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_sticky_mode_the_next_request_tries_the_primary() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .otherwise(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    svc.clone()
+        .oneshot(anthropic_request(&url, OPUS))
+        .await
+        .unwrap();
+    svc.oneshot(anthropic_request(&url, OPUS)).await.unwrap();
+    assert_eq!(
+        models_sent(&server),
+        [OPUS_MODEL, OPUS_MODEL, OPUS_MODEL, SONNET, OPUS_MODEL]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn signal_mode_ends_the_request_with_the_models_to_switch() {
+    let server = start(Script::always(Reply::overloaded())).await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET])
+                .unwrap()
+                .mode(FallbackMode::Signal),
+        )
+        .service(http_client());
+    let err = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FallbackTriggered);
+    let signal = err.fallback_triggered().unwrap();
+    assert_eq!(
+        (signal.from.as_str(), signal.to.as_str()),
+        (OPUS_MODEL, SONNET)
+    );
+    // Three attempts, all to the requested model, and no sleep after the third.
+    assert_eq!(models_sent(&server), [OPUS_MODEL; 3]);
+    let trail = err.trail().unwrap();
+    assert_eq!(trail.total_attempts(), 3);
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::NotRetryable));
+    assert_eq!(trail.attempts()[2].delay, None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_overloaded_error_body_counts_as_an_overload() {
+    // A 500 whose body says overloaded_error: the layer reads the body to tell.
+    let overloaded_500 = Reply::anthropic_error(500, "overloaded_error", "Overloaded");
+    let server = start(Script::always(overloaded_500)).await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET])
+                .unwrap()
+                .threshold(1)
+                .unwrap()
+                .mode(FallbackMode::Signal),
+        )
+        .service(http_client());
+    let err = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap_err();
+    assert!(err.is_fallback_triggered());
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_without_a_model_passes_through() {
+    let server = start(
+        Script::new()
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .service(http_client());
+    let body = r#"{"max_tokens":10,"messages":[]}"#;
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), body))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.extensions().get::<ModelUsed>().is_none());
+    assert!(server
+        .requests()
+        .iter()
+        .all(|r| &r.body[..] == body.as_bytes()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn works_alone_and_buffers_the_body_itself() {
+    let server = start(Script::new()).await;
+    let svc = ServiceBuilder::new()
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        res.extensions().get::<ModelUsed>().unwrap().model,
+        OPUS_MODEL
+    );
+    assert_eq!(sha256(&server.requests()[0].body), sha256(OPUS.as_bytes()));
+}
+
+#[test]
+fn configuration_is_validated() {
+    assert!(ModelFallbackLayer::new(Vec::<String>::new()).is_err());
+    assert!(ModelFallbackLayer::new([""]).is_err());
+    assert!(ModelFallbackLayer::new([SONNET])
+        .unwrap()
+        .threshold(0)
+        .is_err());
+}
