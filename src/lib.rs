@@ -63,6 +63,7 @@
 pub mod body;
 pub mod classify;
 mod error;
+pub mod fleet;
 pub mod retry;
 
 #[cfg(feature = "mock")]
@@ -72,6 +73,7 @@ pub mod mock;
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
 pub use crate::error::{AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail};
+pub use crate::fleet::{BudgetConfig, GateConfig};
 pub use crate::retry::{
     AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
     RetryObserver, RetryPolicy,

@@ -24,6 +24,7 @@ use crate::classify::{Classification, Classify, FailureClass};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail,
 };
+use crate::fleet::GateWait;
 
 pub use self::sealed::HttpResponse;
 
@@ -80,6 +81,8 @@ pin_project! {
             #[pin] sleep: Sleep,
             #[pin] cancel: Option<WaitForCancellationFutureOwned>,
         },
+        // Fleet: waiting at the closed cooldown gate before an attempt.
+        Gated { #[pin] wait: GateWait },
         Done,
     }
 }
@@ -98,6 +101,8 @@ struct Ctx<S, C> {
     trail: RetryTrail,
     started: Instant,
     model: Option<Option<String>>,
+    // Fleet: this attempt already waited at the gate.
+    gate_passed: bool,
 }
 
 /// What the loop does after judging an attempt.
@@ -123,6 +128,7 @@ where
             State::Calling { .. } => "calling",
             State::Peeking { .. } => "peeking",
             State::Sleeping { .. } => "sleeping",
+            State::Gated { .. } => "gated",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
@@ -166,6 +172,7 @@ where
             trail: RetryTrail::default(),
             started: Instant::now(),
             model: None,
+            gate_passed: false,
         };
         let state = if over_cap {
             // Too big to hold: send it once, as it streams, and never retry it.
@@ -209,6 +216,11 @@ where
                             let trailers = collected.trailers().cloned();
                             let data = collected.to_bytes();
                             ctx.body = Some(ReplayBody::buffered(data, trailers));
+                            // Fleet: wait at the cooldown gate while it is closed.
+                            if let Some(wait) = ctx.gate_wait() {
+                                this.state.set(State::Gated { wait });
+                                continue;
+                            }
                             // The service was polled ready before `call`; the first attempt
                             // uses that readiness.
                             let (future, span) = ctx.start_attempt();
@@ -237,6 +249,11 @@ where
                     if ctx.is_cancelled() {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
+                    }
+                    // Fleet: wait at the cooldown gate while it is closed.
+                    if let Some(wait) = ctx.gate_wait() {
+                        this.state.set(State::Gated { wait });
+                        continue;
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
                         this.state.set(State::Done);
@@ -353,6 +370,16 @@ where
                     ready!(sleep.poll(cx));
                     this.state.set(State::Ready);
                 }
+                // Fleet: the gate reopened (or this request's wait is over); go through Ready
+                // to poll the service ready after the wait.
+                StateProj::Gated { wait } => {
+                    if ready!(wait.poll(cx)).is_err() {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.cancelled()));
+                    }
+                    ctx.gate_passed = true;
+                    this.state.set(State::Ready);
+                }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
         }
@@ -388,6 +415,11 @@ where
 
     fn start_attempt(&mut self) -> (S::Future, Span) {
         self.sent += 1;
+        // Fleet: first attempts pay into the shared retry budget.
+        if self.attempt == 0 {
+            self.config.fleet.deposit();
+        }
+        self.gate_passed = false;
         let last = self.attempt >= self.policy().get_max_retries();
         let (mut parts, body) = if last {
             // No retry can follow, so the stored request need not be kept.
@@ -500,10 +532,27 @@ where
         if self.is_cancelled() {
             return Err(GiveUpReason::Cancelled);
         }
-        match policy.delay(self.attempt + 1, c.retry_after()) {
-            Ok(d) => Ok(d),
-            Err(DelayRefused::RetryAfterTooLong) => Err(GiveUpReason::RetryAfterTooLong),
+        let delay = match policy.delay(self.attempt + 1, c.retry_after()) {
+            Ok(d) => d,
+            Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
+        };
+        // Fleet: the shared retry budget has the last word.
+        if !self.config.fleet.withdraw() {
+            return Err(GiveUpReason::Budget);
         }
+        Ok(delay)
+    }
+
+    /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
+    fn gate_wait(&self) -> Option<GateWait> {
+        if self.gate_passed {
+            return None;
+        }
+        GateWait::start(
+            &self.config.fleet,
+            self.policy(),
+            self.config.cancel.as_ref(),
+        )
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {
@@ -521,6 +570,10 @@ where
         c: Classification,
         span: &Span,
     ) -> Next<Option<RetryTrail>> {
+        // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
+        self.config
+            .fleet
+            .observe(head, c.retry_after(), self.policy());
         if c.is_success() {
             if self.attempt > 0 {
                 if let Some(observer) = &self.config.observer {

@@ -8,6 +8,7 @@ use tower_layer::Layer;
 use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
+use crate::fleet::{BudgetConfig, Fleet, GateConfig};
 
 /// The default bound on how much of an error body is read to classify it.
 pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
@@ -29,6 +30,8 @@ pub(crate) struct Config<C> {
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) observer: Option<Arc<dyn RetryObserver>>,
     pub(crate) attempt_header: Option<HeaderName>,
+    /// Shared by every service made from this layer and its clones.
+    pub(crate) fleet: Arc<Fleet>,
 }
 
 impl RetryLayer {
@@ -44,6 +47,7 @@ impl RetryLayer {
                 cancel: None,
                 observer: None,
                 attempt_header: None,
+                fleet: Fleet::new(Some(BudgetConfig::default()), None),
             },
         }
     }
@@ -74,6 +78,7 @@ impl<C> RetryLayer<C> {
                 cancel: c.cancel,
                 observer: c.observer,
                 attempt_header: c.attempt_header,
+                fleet: c.fleet,
             },
         }
     }
@@ -115,6 +120,24 @@ impl<C> RetryLayer<C> {
         self.config.attempt_header = Some(name);
         self
     }
+
+    /// The retry budget shared by every service made from this layer (and their clones):
+    /// retries beyond it are not made, and the trail says so. `None` turns it off. See
+    /// [`fleet`](crate::fleet). Defaults to [`BudgetConfig::default`]: a 10 s window,
+    /// 10 retries a second plus 20 % of first attempts.
+    pub fn budget(mut self, budget: Option<BudgetConfig>) -> Self {
+        self.config.fleet = Fleet::new(budget, self.config.fleet.gate_config());
+        self
+    }
+
+    /// The cooldown gate shared by every service made from this layer (and their clones): a
+    /// `429` / `529` with `Retry-After`, or rate-limit headers saying nothing is left, hold
+    /// every attempt until then, and release them spread out. See [`fleet`](crate::fleet).
+    /// Defaults to `None` (off).
+    pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
+        self.config.fleet = Fleet::new(self.config.fleet.budget_config(), gate);
+        self
+    }
 }
 
 impl<S, C: Clone> Layer<S> for RetryLayer<C> {
@@ -141,6 +164,7 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("cancellation", &self.cancel.is_some())
             .field("observer", &self.observer.is_some())
             .field("attempt_header", &self.attempt_header)
+            .field("fleet", &self.fleet)
             .finish()
     }
 }

@@ -74,7 +74,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(message: impl Into<String>) -> Self {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
         ConfigError {
             message: message.into(),
         }
@@ -387,6 +387,16 @@ impl RetryPolicy {
     /// The most retries after the first attempt.
     pub fn get_max_retries(&self) -> u32 {
         self.max_retries
+    }
+
+    /// The ceiling for a `Retry-After`.
+    pub fn get_retry_after_max(&self) -> Duration {
+        self.retry_after_max
+    }
+
+    /// Where jitter samples come from (also the cooldown gate's spread).
+    pub(crate) fn random_source(&self) -> &Random {
+        &self.random
     }
 
     /// The limit of consecutive overloads, if any.
