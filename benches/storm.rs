@@ -828,9 +828,16 @@ fn svg(outcomes: &[Outcome]) -> String {
             .enumerate()
             .map(|(t, &n)| format!("{:.1},{:.1}", x(t as f64 + 0.5), y(f64::from(n))))
             .collect();
+        // The SDK's line lies under `default` here (both honour the Retry-After as sent):
+        // dash it so that both show.
+        let dash = if o.policy == Policy::OfficialSdk {
+            r#" stroke-dasharray="4 4""#
+        } else {
+            ""
+        };
         let _ = writeln!(
             s,
-            r#"<polyline fill="none" stroke="{}" stroke-width="1.3" points="{}"/>"#,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.3"{dash} points="{}"/>"#,
             o.policy.color(),
             points.join(" ")
         );
