@@ -218,6 +218,13 @@ fn in_memory(c: &mut Criterion) {
         group.bench_function("ours", |b| {
             b.iter(|| call(&mut ours, request(Full::new(data.clone()))))
         });
+        if case == "full_1k" {
+            // What the retry budget's bookkeeping adds (a lock and a clock read per request).
+            let mut no_budget = RetryLayer::new().budget(None).layer(Upstream);
+            group.bench_function("ours_without_budget", |b| {
+                b.iter(|| call(&mut no_budget, request(Full::new(data.clone()))))
+            });
+        }
         let mut tower = tower::retry::Retry::new(ClonePolicy, Upstream);
         group.bench_function("tower_retry", |b| {
             b.iter(|| call(&mut tower, request(Full::new(data.clone()))))
@@ -353,12 +360,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 // ---------------------------------------------------------------------------------------------
 // Results.
 
-/// Criterion's mean estimate for one benchmark, in nanoseconds.
-fn mean_ns(dir: &Path, group: &str, id: &str) -> Option<f64> {
+/// Criterion's median estimate for one benchmark, in nanoseconds (the median, because other
+/// processes on a small machine add outliers).
+fn median_ns(dir: &Path, group: &str, id: &str) -> Option<f64> {
     let path = dir.join(group).join(id).join("new").join("estimates.json");
     let text = std::fs::read_to_string(path).ok()?;
     let v: Value = serde_json::from_str(&text).ok()?;
-    v["mean"]["point_estimate"].as_f64()
+    v["median"]["point_estimate"].as_f64()
 }
 
 fn round(x: f64, places: i32) -> f64 {
@@ -410,7 +418,7 @@ fn main() {
             "{case}: through the layer {allocs:.1} allocations and {bytes:.0} bytes per request \
              (bare: {bare_allocs:.1} and {bare_bytes:.0}); the body is {len} bytes"
         ));
-        let Some(our_ns) = mean_ns(&criterion_dir, case, "ours") else {
+        let Some(our_ns) = median_ns(&criterion_dir, case, "ours") else {
             continue;
         };
         let baselines: &[&str] = if chunked {
@@ -419,7 +427,7 @@ fn main() {
             &["bare", "tower_retry"]
         };
         for baseline in baselines {
-            if let Some(base_ns) = mean_ns(&criterion_dir, case, baseline) {
+            if let Some(base_ns) = median_ns(&criterion_dir, case, baseline) {
                 rows.push(json!({
                     "case": case,
                     "baseline": baseline,
@@ -433,6 +441,11 @@ fn main() {
                     our_ns / base_ns
                 ));
             }
+        }
+        if let Some(nb) = median_ns(&criterion_dir, case, "ours_without_budget") {
+            print.push(format!(
+                "{case}: {nb:.0} ns through the layer without the budget"
+            ));
         }
         print.push(format!(
             "{case}: {:.2} GB/s through the layer",

@@ -39,6 +39,10 @@
 //! `401` / context-overflow `400`s (left to dedicated layers). See [`classify`] for the full
 //! table and [`retry`] for the loop.
 //!
+//! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
+//! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
+//! while the server has said "come back at T" and releases them spread out. See [`fleet`].
+//!
 //! # Defaults
 //!
 //! | setting | default |
@@ -48,6 +52,8 @@
 //! | `Retry-After` | honoured as sent up to 60 s; above, the response is returned without retry |
 //! | body buffering cap | 32 MiB |
 //! | error-body peek | 64 KiB |
+//! | retry budget, shared by the layer's services | on: 10 retries/s plus 20 % of first attempts, over 10 s |
+//! | cooldown gate, shared by the layer's services | off ([`RetryLayer::cooldown_gate`]) |
 //!
 //! # Features
 //!
