@@ -560,3 +560,30 @@ fn config_validation() {
     assert!(GateConfig::new().spread(11.0, Duration::ZERO).is_err());
     assert!(GateConfig::new().spread(0.0, Duration::ZERO).is_ok());
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_unbounded_ceiling_still_waits_at_the_gate() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("5")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+                .observer(planned.clone())
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    let (first, origin) = close_with(&server, &svc, &planned).await;
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut().insert(
+        no_jitter()
+            .random(Random::from_fn(|| 0.0))
+            .retry_after_max(Duration::MAX),
+    );
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(5));
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}

@@ -204,6 +204,9 @@ impl fmt::Debug for Gate {
     }
 }
 
+/// The longest a request is held at the gate, whatever its policy's ceiling.
+const MAX_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The cancellation token fired while a request waited at the gate.
 #[derive(Debug)]
 pub(crate) struct GateCancelled;
@@ -233,7 +236,8 @@ impl GateWait {
             return None;
         }
         let now = Instant::now();
-        let cap = now.checked_add(policy.get_retry_after_max())?;
+        // A ceiling set to "forever" must not switch the gate off by overflowing.
+        let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
         let random = policy.random_source().clone();
         let until = gate.wait_for(now, cap, &random)?;
         tracing::debug!(
