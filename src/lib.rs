@@ -80,6 +80,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
+//! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
+//! while the server has said "come back at T" and releases them spread out. See [`fleet`].
+//!
 //! # Defaults
 //!
 //! | setting | default |
@@ -93,6 +97,8 @@
 //! | `max_tokens` repair | `max(3,000, limit − input − 1,000)`, at least `thinking.budget_tokens + 1`; once, at once |
 //! | token refresh | ahead of expiry: advisory 120 s, mandatory 30 s; after a failure, 1 s doubling to 30 s |
 //! | rate-limited pool key | rests for the `Retry-After`, or 5 s without one |
+//! | retry budget, shared by the layer's services | on: 10 retries/s plus 20 % of first attempts, over 10 s |
+//! | cooldown gate, shared by the layer's services | off ([`RetryLayer::cooldown_gate`]) |
 //!
 //! # Features
 //!
@@ -122,6 +128,7 @@ pub mod body;
 pub mod classify;
 mod error;
 pub mod fallback;
+pub mod fleet;
 pub mod json_edit;
 pub mod overflow;
 pub mod retry;
@@ -148,6 +155,7 @@ pub use crate::error::{
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
+pub use crate::fleet::{BudgetConfig, GateConfig};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
 };

@@ -24,6 +24,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
+use crate::fleet::GateWait;
 use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
 };
@@ -94,6 +95,8 @@ pin_project! {
             #[pin] sleep: Sleep,
             #[pin] cancel: Option<WaitForCancellationFutureOwned>,
         },
+        // Fleet: waiting at the closed cooldown gate before an attempt.
+        Gated { #[pin] wait: GateWait },
         Done,
     }
 }
@@ -139,6 +142,8 @@ struct Ctx<S, C> {
     started: Instant,
     deadline: Option<Instant>,
     model: Option<Option<String>>,
+    // Fleet: this attempt already waited at the gate.
+    gate_passed: bool,
 }
 
 /// What the loop does after judging an attempt.
@@ -165,6 +170,7 @@ where
             State::Calling { .. } => "calling",
             State::Peeking { .. } => "peeking",
             State::Sleeping { .. } => "sleeping",
+            State::Gated { .. } => "gated",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
@@ -215,6 +221,7 @@ where
             started,
             deadline,
             model: None,
+            gate_passed: false,
         };
         let state = if over_cap {
             // Too big to hold: send it once, as it streams, and never retry it.
@@ -256,6 +263,11 @@ where
                         let trailers = collected.trailers().cloned();
                         let data = collected.to_bytes();
                         ctx.body = Some(ReplayBody::buffered(data, trailers));
+                        // Fleet: wait at the cooldown gate while it is closed.
+                        if let Some(wait) = ctx.gate_wait() {
+                            this.state.set(State::Gated { wait });
+                            continue;
+                        }
                         // The service was polled ready before `call`; the first attempt
                         // uses that readiness.
                         let state = ctx.start_attempt();
@@ -279,6 +291,11 @@ where
                     if ctx.is_cancelled() {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
+                    }
+                    // Fleet: wait at the cooldown gate while it is closed.
+                    if let Some(wait) = ctx.gate_wait() {
+                        this.state.set(State::Gated { wait });
+                        continue;
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
                         this.state.set(State::Done);
@@ -327,6 +344,11 @@ where
                                 continue;
                             }
                             let c = ctx.config.classifier.classify_response(&head, None);
+                            // Fleet: a Retry-After or exhausted rate-limit headers may close
+                            // the gate.
+                            ctx.config
+                                .fleet
+                                .observe(&head, c.retry_after(), ctx.policy());
                             match ctx.judge(&c, Some(head.status), None, false, &span) {
                                 Verdict::Retry(delay) => {
                                     drop(body);
@@ -422,6 +444,10 @@ where
                             (Classification::retry(class), None, peeked.error.take())
                         }
                     };
+                    // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
+                    ctx.config
+                        .fleet
+                        .observe(&head, c.retry_after(), ctx.policy());
                     let verdict =
                         ctx.judge(&c, status, error.as_deref().map(|e| e as _), false, &span);
                     match verdict {
@@ -465,6 +491,16 @@ where
                         }
                     }
                     ready!(sleep.poll(cx));
+                    this.state.set(State::Ready);
+                }
+                // Fleet: the gate reopened (or this request's wait is over); go through Ready
+                // to poll the service ready after the wait.
+                StateProj::Gated { wait } => {
+                    if ready!(wait.poll(cx)).is_err() {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.cancelled()));
+                    }
+                    ctx.gate_passed = true;
                     this.state.set(State::Ready);
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
@@ -652,6 +688,11 @@ where
         B::Error: Into<BoxError>,
     {
         self.sent += 1;
+        // Fleet: first attempts pay into the shared retry budget.
+        if self.attempt == 0 {
+            self.config.fleet.deposit();
+        }
+        self.gate_passed = false;
         let last = self.attempt >= self.policy().get_max_retries();
         let (mut parts, body) = if last {
             // No retry can follow, so the stored request need not be kept.
@@ -774,7 +815,23 @@ where
                 return Err(GiveUpReason::Deadline);
             }
         }
+        // Fleet: the shared retry budget has the last word.
+        if !self.config.fleet.withdraw() {
+            return Err(GiveUpReason::Budget);
+        }
         Ok(delay)
+    }
+
+    /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
+    fn gate_wait(&self) -> Option<GateWait> {
+        if self.gate_passed {
+            return None;
+        }
+        GateWait::start(
+            &self.config.fleet,
+            self.policy(),
+            self.config.cancel.as_ref(),
+        )
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {

@@ -8,6 +8,7 @@ use tower_layer::Layer;
 use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
+use crate::fleet::{BudgetConfig, Fleet, GateConfig};
 
 /// The default bound on how much of an error body is read to classify it.
 pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
@@ -31,6 +32,8 @@ pub(crate) struct Config<C> {
     pub(crate) attempt_header: Option<HeaderName>,
     pub(crate) sse_gate: bool,
     pub(crate) buffer_responses: Option<usize>,
+    /// Shared by every service made from this layer and its clones.
+    pub(crate) fleet: Arc<Fleet>,
 }
 
 impl RetryLayer {
@@ -48,6 +51,7 @@ impl RetryLayer {
                 attempt_header: None,
                 sse_gate: true,
                 buffer_responses: None,
+                fleet: Fleet::new(Some(BudgetConfig::default()), None),
             },
         }
     }
@@ -80,6 +84,7 @@ impl<C> RetryLayer<C> {
                 attempt_header: c.attempt_header,
                 sse_gate: c.sse_gate,
                 buffer_responses: c.buffer_responses,
+                fleet: c.fleet,
             },
         }
     }
@@ -119,6 +124,24 @@ impl<C> RetryLayer<C> {
     /// header, as the official SDKs do with `x-stainless-retry-count`. Defaults to none.
     pub fn attempt_header(mut self, name: HeaderName) -> Self {
         self.config.attempt_header = Some(name);
+        self
+    }
+
+    /// The retry budget shared by every service made from this layer (and their clones):
+    /// retries beyond it are not made, and the trail says so. `None` turns it off. See
+    /// [`fleet`](crate::fleet). Defaults to [`BudgetConfig::default`]: a 10 s window,
+    /// 10 retries a second plus 20 % of first attempts.
+    pub fn budget(mut self, budget: Option<BudgetConfig>) -> Self {
+        self.config.fleet = Fleet::new(budget, self.config.fleet.gate_config());
+        self
+    }
+
+    /// The cooldown gate shared by every service made from this layer (and their clones): a
+    /// `429` / `529` with `Retry-After`, or rate-limit headers saying nothing is left, hold
+    /// every attempt until then, and release them spread out. See [`fleet`](crate::fleet).
+    /// Defaults to `None` (off).
+    pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
+        self.config.fleet = Fleet::new(self.config.fleet.budget_config(), gate);
         self
     }
 }
@@ -170,6 +193,7 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("attempt_header", &self.attempt_header)
             .field("sse_gate", &self.sse_gate)
             .field("buffer_responses", &self.buffer_responses)
+            .field("fleet", &self.fleet)
             .finish()
     }
 }

@@ -437,6 +437,16 @@ impl RetryPolicy {
         self.max_retries
     }
 
+    /// The ceiling for a `Retry-After`.
+    pub fn get_retry_after_max(&self) -> Duration {
+        self.retry_after_max
+    }
+
+    /// Where jitter samples come from (also the cooldown gate's spread).
+    pub(crate) fn random_source(&self) -> &Random {
+        &self.random
+    }
+
     /// The limit of consecutive overloads, if any.
     pub fn get_max_consecutive_overloads(&self) -> Option<u32> {
         self.max_consecutive_overloads

@@ -1,0 +1,904 @@
+//! Retry storms, simulated: 1,000 closed-loop clients against one rate-limited or failing
+//! server, under paused tokio time (minutes of simulated traffic in seconds), side by side for
+//! the retry policies a user would pick.
+//!
+//! Run with `cargo bench --bench storm`. Prints a table, writes `target/bench/storm.json` and
+//! draws `docs/storm_s2.svg` (attempts per second in S2, by policy).
+//!
+//! # The model
+//!
+//! - 1,000 clients; each sends one logical request, waits for its outcome (success, or the
+//!   policy gave up), and sends the next one at once (S1, S2) or at its next 2 s tick (S4).
+//!   Clients start at random offsets within the first 2 s.
+//! - The server answers a success after 2 s (an LLM reply) and a refusal (429, 503) after
+//!   200 ms (a round trip to the provider's edge). Capacity is counted when a request
+//!   arrives.
+//! - **S1**: token bucket of 100 requests/s, burst 100; over it, `429` with
+//!   `retry-after` = whole seconds to the next token (at least 1). 10 simulated minutes.
+//! - **S2**: 6,000 requests per minute window (100/s on average); over it, `429` with
+//!   `retry-after` = whole seconds to the window's reset. 10 simulated minutes.
+//! - **S4**: no rate limit; clients paced to 500 requests/s; every request gets `503`
+//!   (no `retry-after`) from 60 s to 120 s. 4 simulated minutes. `C` is the offered 500/s.
+//!
+//! # The policies
+//!
+//! - `no_retry`: one attempt.
+//! - `tower_retry`: the real `tower::retry::Retry` with its own `ExponentialBackoff`
+//!   (`ExponentialBackoffMaker`'s default parameters: 50 ms doubling, no ceiling, jitter up to
+//!   +99 %), retrying 429 and 5xx up to 10 times. It knows no `Retry-After`.
+//! - `reqwest_retry`: reqwest-retry's documented policy,
+//!   `ExponentialBackoff::builder().build_with_max_retries(3)` of the real `retry-policies`
+//!   crate (1 s doubling to 30 min, full jitter), on its transient statuses (408, 429, 5xx).
+//!   It ignores `Retry-After`. Its jitter comes from the thread RNG, so this row varies a
+//!   little from run to run; the others are determined by the seed.
+//! - `official_sdk`: the official Anthropic / OpenAI SDKs' published loop: 2 retries,
+//!   `min(0.5 s · 2^n, 8 s) × (1 − 0.25 · U)`, a `retry-after` honoured when 0 < x ≤ 60 s.
+//! - `default`: this crate's `RetryLayer::new()` as shipped (default policy, retry budget on,
+//!   cooldown gate off).
+//! - `default_gate_budget`: the same with the cooldown gate on
+//!   (`.cooldown_gate(Some(GateConfig::default()))`).
+//!
+//! This crate's rows drive the real `RetryLayer` over an in-memory `tower::Service` that is the
+//! simulated server, so the budget and the gate run for real; every client clones one service.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use retry_policies::policies::ExponentialBackoff as ReqwestBackoff;
+use retry_policies::{RetryDecision, RetryPolicy as _};
+use serde_json::{json, Value};
+use tokio::time::{Instant, Sleep};
+use tower::retry::backoff::{Backoff, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff};
+use tower::util::rng::HasherRng;
+use tower::{Layer, Service, ServiceExt};
+use tower_llm_retry::retry::Random;
+use tower_llm_retry::{
+    AttemptContext, BudgetConfig, GateConfig, ReplayBody, Retry, RetryLayer, RetryPolicy,
+};
+
+const CLIENTS: usize = 1_000;
+const SUCCESS_LATENCY: Duration = Duration::from_secs(2);
+const ERROR_LATENCY: Duration = Duration::from_millis(200);
+const S4_PERIOD: Duration = Duration::from_secs(2);
+const S4_OUTAGE: (u64, u64) = (60, 120);
+const SEED: u64 = 42;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    S1,
+    S2,
+    S4,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 3] = [Scenario::S1, Scenario::S2, Scenario::S4];
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::S1 => "S1",
+            Scenario::S2 => "S2",
+            Scenario::S4 => "S4",
+        }
+    }
+
+    fn seconds(self) -> u64 {
+        match self {
+            Scenario::S1 | Scenario::S2 => 600,
+            Scenario::S4 => 240,
+        }
+    }
+
+    /// The rate the ratios are taken against: the server's capacity, or in S4 (no limit) the
+    /// offered load.
+    fn capacity(self) -> f64 {
+        match self {
+            Scenario::S1 | Scenario::S2 => 100.0,
+            Scenario::S4 => 500.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Policy {
+    NoRetry,
+    TowerRetry,
+    ReqwestRetry,
+    OfficialSdk,
+    Default,
+    DefaultGateBudget,
+}
+
+impl Policy {
+    const ALL: [Policy; 6] = [
+        Policy::NoRetry,
+        Policy::TowerRetry,
+        Policy::ReqwestRetry,
+        Policy::OfficialSdk,
+        Policy::Default,
+        Policy::DefaultGateBudget,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Policy::NoRetry => "no_retry",
+            Policy::TowerRetry => "tower_retry",
+            Policy::ReqwestRetry => "reqwest_retry",
+            Policy::OfficialSdk => "official_sdk",
+            Policy::Default => "default",
+            Policy::DefaultGateBudget => "default_gate_budget",
+        }
+    }
+
+    fn color(self) -> &'static str {
+        match self {
+            Policy::NoRetry => "#7f7f7f",
+            Policy::TowerRetry => "#d62728",
+            Policy::ReqwestRetry => "#ff7f0e",
+            Policy::OfficialSdk => "#9467bd",
+            Policy::Default => "#1f77b4",
+            Policy::DefaultGateBudget => "#2ca02c",
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulated server.
+
+enum Limiter {
+    TokenBucket { tokens: f64, at: Instant },
+    Window { started: Instant, used: u32 },
+    Outage,
+}
+
+/// What the server answers one attempt.
+#[derive(Debug, Clone, Copy)]
+struct Reply {
+    status: StatusCode,
+    retry_after: Option<u64>,
+    latency: Duration,
+}
+
+impl Reply {
+    fn ok() -> Self {
+        Reply {
+            status: StatusCode::OK,
+            retry_after: None,
+            latency: SUCCESS_LATENCY,
+        }
+    }
+
+    fn refused(status: StatusCode, retry_after: Option<u64>) -> Self {
+        Reply {
+            status,
+            retry_after,
+            latency: ERROR_LATENCY,
+        }
+    }
+
+    fn is_success(&self) -> bool {
+        self.status.is_success()
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    attempts: Vec<u32>,
+    first_attempts: Vec<u32>,
+    successes: Vec<u32>,
+    outage_retries: u64,
+    per_client: Vec<u32>,
+    latencies: Vec<f64>,
+    logical: u64,
+    succeeded: u64,
+}
+
+struct Sim {
+    scenario: Scenario,
+    start: Instant,
+    limiter: Mutex<Limiter>,
+    stats: Mutex<Stats>,
+}
+
+impl Sim {
+    fn new(scenario: Scenario) -> Arc<Self> {
+        let start = Instant::now();
+        let limiter = match scenario {
+            Scenario::S1 => Limiter::TokenBucket {
+                tokens: 100.0,
+                at: start,
+            },
+            Scenario::S2 => Limiter::Window {
+                started: start,
+                used: 0,
+            },
+            Scenario::S4 => Limiter::Outage,
+        };
+        let secs = scenario.seconds() as usize + 1;
+        Arc::new(Sim {
+            scenario,
+            start,
+            limiter: Mutex::new(limiter),
+            stats: Mutex::new(Stats {
+                attempts: vec![0; secs],
+                first_attempts: vec![0; secs],
+                successes: vec![0; secs],
+                per_client: vec![0; CLIENTS],
+                ..Stats::default()
+            }),
+        })
+    }
+
+    fn second(&self, at: Instant) -> usize {
+        (at - self.start).as_secs() as usize
+    }
+
+    /// Admits or refuses one attempt (`attempt` 0 is a first attempt), now.
+    fn decide(&self, attempt: u32) -> Reply {
+        let now = Instant::now();
+        let sec = self.second(now);
+        {
+            let mut stats = self.stats.lock().unwrap();
+            if let Some(n) = stats.attempts.get_mut(sec) {
+                *n += 1;
+            }
+            if attempt == 0 {
+                if let Some(n) = stats.first_attempts.get_mut(sec) {
+                    *n += 1;
+                }
+            } else if self.in_outage(now) {
+                stats.outage_retries += 1;
+            }
+        }
+        let mut limiter = self.limiter.lock().unwrap();
+        match &mut *limiter {
+            Limiter::TokenBucket { tokens, at } => {
+                const RATE: f64 = 100.0;
+                const BURST: f64 = 100.0;
+                *tokens = (*tokens + (now - *at).as_secs_f64() * RATE).min(BURST);
+                *at = now;
+                if *tokens >= 1.0 {
+                    *tokens -= 1.0;
+                    Reply::ok()
+                } else {
+                    let wait = ((1.0 - *tokens) / RATE).ceil().max(1.0) as u64;
+                    Reply::refused(StatusCode::TOO_MANY_REQUESTS, Some(wait))
+                }
+            }
+            Limiter::Window { started, used } => {
+                const WINDOW: Duration = Duration::from_secs(60);
+                const QUOTA: u32 = 6_000;
+                while now - *started >= WINDOW {
+                    *started += WINDOW;
+                    *used = 0;
+                }
+                if *used < QUOTA {
+                    *used += 1;
+                    Reply::ok()
+                } else {
+                    let reset = (*started + WINDOW - now).as_secs_f64().ceil().max(1.0) as u64;
+                    Reply::refused(StatusCode::TOO_MANY_REQUESTS, Some(reset))
+                }
+            }
+            Limiter::Outage if self.in_outage(now) => {
+                Reply::refused(StatusCode::SERVICE_UNAVAILABLE, None)
+            }
+            Limiter::Outage => Reply::ok(),
+        }
+    }
+
+    fn in_outage(&self, at: Instant) -> bool {
+        self.scenario == Scenario::S4
+            && (S4_OUTAGE.0..S4_OUTAGE.1).contains(&(at - self.start).as_secs())
+    }
+
+    /// One attempt: the decision now, the answer after its latency.
+    async fn exchange(&self, attempt: u32) -> Reply {
+        let reply = self.decide(attempt);
+        tokio::time::sleep(reply.latency).await;
+        reply
+    }
+
+    fn completed(&self, client: usize, started: Instant, ok: bool) {
+        let now = Instant::now();
+        let mut stats = self.stats.lock().unwrap();
+        stats.logical += 1;
+        if ok {
+            stats.succeeded += 1;
+            stats.per_client[client] += 1;
+            stats.latencies.push((now - started).as_secs_f64());
+            let sec = self.second(now);
+            if let Some(n) = stats.successes.get_mut(sec) {
+                *n += 1;
+            }
+        }
+    }
+}
+
+fn retryable(status: StatusCode) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status.is_server_error()
+}
+
+/// The simulated server as a `tower::Service`, for the real `RetryLayer` and `tower::retry`.
+#[derive(Clone)]
+struct SimService(Arc<Sim>);
+
+/// The attempt number `tower::retry`'s requests carry (the `RetryLayer` sets its own).
+#[derive(Debug, Clone, Copy)]
+struct TowerAttempt(u32);
+
+impl Service<Request<ReplayBody>> for SimService {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = SimFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<ReplayBody>) -> SimFuture {
+        let attempt = req
+            .extensions()
+            .get::<AttemptContext>()
+            .map(|c| c.attempt)
+            .or_else(|| req.extensions().get::<TowerAttempt>().map(|a| a.0))
+            .unwrap_or(0);
+        let reply = self.0.decide(attempt);
+        SimFuture {
+            sleep: Box::pin(tokio::time::sleep(reply.latency)),
+            reply,
+        }
+    }
+}
+
+struct SimFuture {
+    sleep: Pin<Box<Sleep>>,
+    reply: Reply,
+}
+
+impl Future for SimFuture {
+    type Output = Result<Response<Full<Bytes>>, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        std::task::ready!(self.sleep.as_mut().poll(cx));
+        let mut res = Response::new(Full::new(Bytes::new()));
+        *res.status_mut() = self.reply.status;
+        if let Some(secs) = self.reply.retry_after {
+            res.headers_mut()
+                .insert(http::header::RETRY_AFTER, secs.into());
+        }
+        Poll::Ready(Ok(res))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The policies.
+
+/// `tower::retry::Policy` with tower's `ExponentialBackoff`, retrying 429 and 5xx.
+#[derive(Clone)]
+struct TowerPolicy {
+    backoff: ExponentialBackoff<HasherRng<Seeded>>,
+    retries_left: u32,
+}
+
+/// A hasher seeded per request, so `HasherRng` jitter differs between requests yet is
+/// reproducible.
+#[derive(Clone)]
+struct Seeded(u64);
+
+impl BuildHasher for Seeded {
+    type Hasher = std::hash::DefaultHasher;
+    fn build_hasher(&self) -> Self::Hasher {
+        let mut h = std::hash::DefaultHasher::new();
+        h.write_u64(self.0);
+        h
+    }
+}
+
+impl TowerPolicy {
+    fn new(seed: u64) -> Self {
+        // `ExponentialBackoffMaker::default()`'s parameters, with a seeded generator.
+        let mut maker = ExponentialBackoffMaker::new(
+            Duration::from_millis(50),
+            Duration::from_millis(u64::MAX),
+            0.99,
+            HasherRng::with_hasher(Seeded(seed)),
+        )
+        .expect("valid backoff");
+        TowerPolicy {
+            backoff: maker.make_backoff(),
+            retries_left: 10,
+        }
+    }
+}
+
+impl tower::retry::Policy<Request<ReplayBody>, Response<Full<Bytes>>, Infallible> for TowerPolicy {
+    type Future = Sleep;
+
+    fn retry(
+        &mut self,
+        _req: &mut Request<ReplayBody>,
+        result: &mut Result<Response<Full<Bytes>>, Infallible>,
+    ) -> Option<Sleep> {
+        match result {
+            Ok(res) if retryable(res.status()) && self.retries_left > 0 => {
+                self.retries_left -= 1;
+                Some(self.backoff.next_backoff())
+            }
+            _ => None,
+        }
+    }
+
+    fn clone_request(&mut self, req: &Request<ReplayBody>) -> Option<Request<ReplayBody>> {
+        let n = req.extensions().get::<TowerAttempt>().map_or(0, |a| a.0);
+        let mut clone = Request::new(req.body().try_clone()?);
+        clone.extensions_mut().insert(TowerAttempt(n + 1));
+        Some(clone)
+    }
+}
+
+enum Runner {
+    NoRetry,
+    Tower,
+    Reqwest(ReqwestBackoff),
+    Sdk,
+    Layer(Retry<SimService>),
+}
+
+const BODY: &[u8] = br#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[]}"#;
+
+impl Runner {
+    fn new(policy: Policy, sim: &Arc<Sim>, seed: u64) -> Self {
+        let ours = || RetryPolicy::default().random(Random::seeded(seed));
+        match policy {
+            Policy::NoRetry => Runner::NoRetry,
+            Policy::TowerRetry => Runner::Tower,
+            Policy::ReqwestRetry => {
+                Runner::Reqwest(ReqwestBackoff::builder().build_with_max_retries(3))
+            }
+            Policy::OfficialSdk => Runner::Sdk,
+            Policy::Default => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .layer(SimService(sim.clone())),
+            ),
+            Policy::DefaultGateBudget => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .budget(Some(BudgetConfig::default()))
+                    .cooldown_gate(Some(GateConfig::default()))
+                    .layer(SimService(sim.clone())),
+            ),
+        }
+    }
+
+    /// One logical request; true when it succeeded.
+    async fn run(&self, sim: &Arc<Sim>, rng: &mut StdRng, request_seed: u64) -> bool {
+        match self {
+            Runner::NoRetry => sim.exchange(0).await.is_success(),
+            Runner::Tower => {
+                let svc = tower::retry::Retry::new(
+                    TowerPolicy::new(request_seed),
+                    SimService(sim.clone()),
+                );
+                let res = svc.oneshot(Request::new(ReplayBody::new(BODY))).await;
+                res.is_ok_and(|r| r.status().is_success())
+            }
+            Runner::Reqwest(policy) => {
+                let started = SystemTime::now();
+                let mut past = 0;
+                loop {
+                    let reply = sim.exchange(past).await;
+                    if reply.is_success() {
+                        return true;
+                    }
+                    if !retryable(reply.status) {
+                        return false;
+                    }
+                    match policy.should_retry(started, past) {
+                        RetryDecision::Retry { execute_after } => {
+                            let wait = execute_after
+                                .duration_since(SystemTime::now())
+                                .unwrap_or_default();
+                            tokio::time::sleep(wait).await;
+                            past += 1;
+                        }
+                        RetryDecision::DoNotRetry => return false,
+                    }
+                }
+            }
+            Runner::Sdk => {
+                const MAX_RETRIES: u32 = 2;
+                let mut retry = 0;
+                loop {
+                    let reply = sim.exchange(retry).await;
+                    if reply.is_success() {
+                        return true;
+                    }
+                    if !(retryable(reply.status) || reply.status == StatusCode::CONFLICT)
+                        || retry == MAX_RETRIES
+                    {
+                        return false;
+                    }
+                    let wait = match reply.retry_after {
+                        Some(s) if s > 0 && s <= 60 => Duration::from_secs(s),
+                        _ => {
+                            let base = (0.5 * 2f64.powi(retry as i32)).min(8.0);
+                            Duration::from_secs_f64(base * (1.0 - 0.25 * rng.random::<f64>()))
+                        }
+                    };
+                    tokio::time::sleep(wait).await;
+                    retry += 1;
+                }
+            }
+            Runner::Layer(svc) => {
+                let req = Request::post("https://api.anthropic.com/v1/messages")
+                    .body(Full::new(Bytes::from_static(BODY)))
+                    .expect("valid request");
+                let res = svc.clone().oneshot(req).await;
+                res.is_ok_and(|r| r.status().is_success())
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One run, and its figures.
+
+struct Outcome {
+    scenario: Scenario,
+    policy: Policy,
+    success_rate: Option<f64>,
+    goodput: f64,
+    attempts_per_success: Option<f64>,
+    peak: f64,
+    p50: Option<f64>,
+    p99: Option<f64>,
+    jain: Option<f64>,
+    outage_retries: Option<u64>,
+    recovery: Option<f64>,
+    budget_allowance: Option<u64>,
+    attempts_per_sec: Vec<u32>,
+}
+
+fn simulate(scenario: Scenario, policy: Policy, seed: u64) -> Outcome {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    let sim = rt.block_on(async {
+        let sim = Sim::new(scenario);
+        let end = sim.start + Duration::from_secs(scenario.seconds());
+        let runner = Arc::new(Runner::new(policy, &sim, seed));
+        let mut offsets = StdRng::seed_from_u64(seed);
+        for client in 0..CLIENTS {
+            let offset = Duration::from_secs_f64(offsets.random::<f64>() * 2.0);
+            let sim = sim.clone();
+            let runner = runner.clone();
+            let mut rng = StdRng::seed_from_u64(seed ^ (client as u64 + 1).wrapping_mul(0x9E37));
+            tokio::spawn(async move {
+                tokio::time::sleep(offset).await;
+                let mut k = 0u64;
+                loop {
+                    let started = Instant::now();
+                    if started >= end {
+                        break;
+                    }
+                    let request_seed = seed ^ ((client as u64) << 32 | k);
+                    let ok = runner.run(&sim, &mut rng, request_seed).await;
+                    if Instant::now() <= end {
+                        sim.completed(client, started, ok);
+                    }
+                    k += 1;
+                    if scenario == Scenario::S4 {
+                        tokio::time::sleep_until(started + S4_PERIOD).await;
+                    }
+                }
+            });
+        }
+        tokio::time::sleep_until(end).await;
+        sim
+    });
+    drop(rt);
+    figures(scenario, policy, &sim)
+}
+
+fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
+    let stats = sim.stats.lock().unwrap();
+    let c = scenario.capacity();
+    let secs = scenario.seconds() as f64;
+    let attempts: u64 = stats.attempts.iter().map(|&n| u64::from(n)).sum();
+    let ok = stats.succeeded;
+    let mut lat = stats.latencies.clone();
+    lat.sort_by(f64::total_cmp);
+    let pct = |p: f64| -> Option<f64> {
+        if lat.is_empty() {
+            return None;
+        }
+        let i = ((p * lat.len() as f64).ceil() as usize).clamp(1, lat.len()) - 1;
+        Some(lat[i])
+    };
+    let sum: f64 = stats.per_client.iter().map(|&x| f64::from(x)).sum();
+    let sum_sq: f64 = stats.per_client.iter().map(|&x| f64::from(x).powi(2)).sum();
+    let jain = (sum_sq > 0.0).then(|| sum * sum / (CLIENTS as f64 * sum_sq));
+    let (outage_retries, recovery, budget_allowance) = if scenario == Scenario::S4 {
+        let end = S4_OUTAGE.1 as usize;
+        let recovered = stats.successes[end..]
+            .iter()
+            .position(|&n| f64::from(n) >= 0.9 * c)
+            .map(|i| i as f64);
+        let allowance = matches!(policy, Policy::Default | Policy::DefaultGateBudget).then(|| {
+            // What the budget can pay for over the outage: its reserve for every ttl window
+            // the outage touches, and its ratio of the first attempts it remembers.
+            let b = BudgetConfig::default();
+            let ttl = b.ttl().as_secs() as usize;
+            let start = S4_OUTAGE.0 as usize;
+            let firsts: u64 = stats.first_attempts[start - ttl..end]
+                .iter()
+                .map(|&n| u64::from(n))
+                .sum();
+            let windows = (end - start).div_ceil(ttl) as u64 + 1;
+            b.max_retries(0) * windows + (f64::from(b.retry_ratio()) * firsts as f64) as u64
+        });
+        (Some(stats.outage_retries), recovered, allowance)
+    } else {
+        (None, None, None)
+    };
+    Outcome {
+        scenario,
+        policy,
+        success_rate: (stats.logical > 0).then(|| ok as f64 / stats.logical as f64),
+        goodput: ok as f64 / secs / c,
+        attempts_per_success: (ok > 0).then(|| attempts as f64 / ok as f64),
+        peak: f64::from(stats.attempts.iter().copied().max().unwrap_or(0)) / c,
+        p50: pct(0.5),
+        p99: pct(0.99),
+        jain,
+        outage_retries,
+        recovery,
+        budget_allowance,
+        attempts_per_sec: stats.attempts.clone(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output.
+
+fn round(x: f64, places: i32) -> f64 {
+    let f = 10f64.powi(places);
+    (x * f).round() / f
+}
+
+fn opt(x: Option<f64>, places: i32) -> Value {
+    x.map_or(Value::Null, |x| json!(round(x, places)))
+}
+
+fn cell(x: Option<f64>, places: usize) -> String {
+    x.map_or_else(|| "—".to_owned(), |x| format!("{x:.places$}"))
+}
+
+fn to_json(o: &Outcome) -> Value {
+    json!({
+        "scenario": o.scenario.name(),
+        "policy": o.policy.name(),
+        "success_rate": opt(o.success_rate, 4),
+        "goodput_over_capacity": round(o.goodput, 4),
+        "attempts_per_success": opt(o.attempts_per_success, 3),
+        "peak_over_capacity": round(o.peak, 3),
+        "p50_s": opt(o.p50, 3),
+        "p99_s": opt(o.p99, 3),
+        "jain_fairness": opt(o.jain, 4),
+        "outage_retries": o.outage_retries,
+    })
+}
+
+fn table(outcomes: &[Outcome]) -> String {
+    let mut out = String::new();
+    for scenario in Scenario::ALL {
+        let _ = writeln!(out, "\n{}", scenario.name());
+        let _ = writeln!(
+            out,
+            "| policy | success | goodput / C | attempts / success | peak 1 s / C | p50 s | p99 s | Jain |{}",
+            if scenario == Scenario::S4 { " outage retries | recovery s |" } else { "" }
+        );
+        let _ = writeln!(
+            out,
+            "|---|---:|---:|---:|---:|---:|---:|---:|{}",
+            if scenario == Scenario::S4 {
+                "---:|---:|"
+            } else {
+                ""
+            }
+        );
+        for o in outcomes.iter().filter(|o| o.scenario == scenario) {
+            let _ = write!(
+                out,
+                "| `{}` | {} | {:.3} | {} | {:.2} | {} | {} | {} |",
+                o.policy.name(),
+                o.success_rate
+                    .map_or_else(|| "—".to_owned(), |s| format!("{:.1} %", s * 100.0)),
+                o.goodput,
+                cell(o.attempts_per_success, 2),
+                o.peak,
+                cell(o.p50, 1),
+                cell(o.p99, 1),
+                cell(o.jain, 3),
+            );
+            if scenario == Scenario::S4 {
+                let _ = write!(
+                    out,
+                    " {} | {} |",
+                    o.outage_retries.unwrap_or(0),
+                    o.recovery
+                        .map_or_else(|| "not within the run".to_owned(), |r| format!("{r:.0}"))
+                );
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Attempts per second in S2, one polyline per policy, on a log scale.
+fn svg(outcomes: &[Outcome]) -> String {
+    let (w, h) = (960.0, 480.0);
+    let (left, right, top, bottom) = (70.0, 190.0, 40.0, 50.0);
+    let pw = w - left - right;
+    let ph = h - top - bottom;
+    let secs = Scenario::S2.seconds() as f64;
+    let c = Scenario::S2.capacity();
+    let y_max = 5.0; // 10^5 attempts/s
+    let x = |t: f64| left + t / secs * pw;
+    let y = |v: f64| top + ph - ((v.max(1.0)).log10() / y_max).min(1.0) * ph;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">S2, per-minute window (C = 100 req/s): attempts per second, by policy</text>"#,
+        left + pw / 2.0
+    );
+    for p in 0..=5 {
+        let v = 10f64.powi(p);
+        let yy = y(v);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" x2="{}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
+            left + pw,
+            left - 6.0,
+            yy + 4.0,
+            v as u64
+        );
+    }
+    for m in 0..=10 {
+        let t = f64::from(m) * 60.0;
+        let xx = x(t);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{top}" y2="{}" stroke="#eee"/><text x="{xx:.1}" y="{}" text-anchor="middle">{m}</text>"##,
+            top + ph,
+            top + ph + 16.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">simulated minutes</text>"#,
+        left + pw / 2.0,
+        h - 10.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(18 {}) rotate(-90)" text-anchor="middle">attempts per second (log scale)</text>"#,
+        top + ph / 2.0
+    );
+    let cy = y(c);
+    let _ = writeln!(
+        s,
+        r##"<line x1="{left}" x2="{}" y1="{cy:.1}" y2="{cy:.1}" stroke="black" stroke-dasharray="6 4"/><text x="{}" y="{:.1}">C</text>"##,
+        left + pw,
+        left + pw + 4.0,
+        cy + 4.0
+    );
+    for (i, o) in outcomes
+        .iter()
+        .filter(|o| o.scenario == Scenario::S2)
+        .enumerate()
+    {
+        let points: Vec<String> = o
+            .attempts_per_sec
+            .iter()
+            .take(Scenario::S2.seconds() as usize)
+            .enumerate()
+            .map(|(t, &n)| format!("{:.1},{:.1}", x(t as f64 + 0.5), y(f64::from(n))))
+            .collect();
+        // The SDK's line lies under `default` here (both honour the Retry-After as sent):
+        // dash it so that both show.
+        let dash = if o.policy == Policy::OfficialSdk {
+            r#" stroke-dasharray="4 4""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.3"{dash} points="{}"/>"#,
+            o.policy.color(),
+            points.join(" ")
+        );
+        let ly = top + 10.0 + i as f64 * 20.0;
+        let lx = left + pw + 24.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            lx + 20.0,
+            o.policy.color(),
+            lx + 26.0,
+            ly + 4.0,
+            o.policy.name()
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn main() {
+    let seed = std::env::var("STORM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(SEED);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut outcomes = Vec::new();
+    for scenario in Scenario::ALL {
+        for policy in Policy::ALL {
+            let wall = std::time::Instant::now();
+            let o = simulate(scenario, policy, seed);
+            eprintln!(
+                "storm: {} {:<20} simulated {} s in {:.1} s",
+                scenario.name(),
+                policy.name(),
+                scenario.seconds(),
+                wall.elapsed().as_secs_f64()
+            );
+            outcomes.push(o);
+        }
+    }
+    println!("{}", table(&outcomes));
+    for o in outcomes.iter().filter(|o| o.budget_allowance.is_some()) {
+        println!(
+            "S4 {}: {} retries during the outage; the default budget allows at most {} over it",
+            o.policy.name(),
+            o.outage_retries.unwrap_or(0),
+            o.budget_allowance.unwrap_or(0)
+        );
+    }
+
+    let dir: PathBuf = root.join("target").join("bench");
+    std::fs::create_dir_all(&dir).expect("create target/bench");
+    let json = Value::Array(outcomes.iter().map(to_json).collect());
+    let path = dir.join("storm.json");
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&json).expect("json") + "\n",
+    )
+    .expect("write storm.json");
+    let chart = root.join("docs").join("storm_s2.svg");
+    std::fs::create_dir_all(chart.parent().expect("docs")).expect("create docs");
+    std::fs::write(&chart, svg(&outcomes)).expect("write storm_s2.svg");
+    println!("wrote {} and {}", path.display(), chart.display());
+}

@@ -1,0 +1,287 @@
+//! The cooldown gate: one "closed until" instant shared by every service of a layer.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::Fleet;
+use crate::classify::WallClock;
+use crate::retry::{ConfigError, Random, RetryPolicy};
+
+/// Settings of the cooldown gate that every service made from one
+/// [`RetryLayer`](crate::RetryLayer) shares.
+///
+/// A `429` or `529` carrying a `Retry-After`, or a response whose rate-limit headers say no
+/// request is left until a reset, closes the gate until that instant (at most the reporting
+/// request's [`retry_after_max`](RetryPolicy::retry_after_max) away). While it is closed,
+/// every attempt about to be sent waits: until the gate reopens, plus a random extra in
+/// `[0, spread]`, where `spread` is [`spread_fraction`](GateConfig::spread) of the wait the
+/// server announced, at most [`max_spread`](GateConfig::spread). So a fleet does not come back
+/// in one instant. A request never waits at the gate longer than its policy's
+/// `retry_after_max` plus that extra, and the layer's cancellation token ends the wait at
+/// once. The random extra comes from the policy's [`Random`], so tests can fix it.
+///
+/// Defaults: spread 50 % of the announced wait, at most 30 s; rate-limit headers read; the
+/// system clock for their RFC 3339 reset instants.
+#[derive(Clone)]
+pub struct GateConfig {
+    spread_fraction: f64,
+    max_spread: Duration,
+    rate_limit_headers: bool,
+    clock: Option<WallClock>,
+}
+
+impl GateConfig {
+    /// The defaults: spread 50 % of the announced wait, at most 30 s, rate-limit headers read.
+    pub fn new() -> Self {
+        GateConfig {
+            spread_fraction: 0.5,
+            max_spread: Duration::from_secs(30),
+            rate_limit_headers: true,
+            clock: None,
+        }
+    }
+
+    /// How far apart waiters leave once the gate reopens: each adds a random extra in
+    /// `[0, min(fraction × announced wait, max)]`. `fraction` must be within `[0, 10]`.
+    /// Defaults to 0.5 and 30 s.
+    pub fn spread(mut self, fraction: f64, max: Duration) -> Result<Self, ConfigError> {
+        if !(0.0..=10.0).contains(&fraction) {
+            return Err(ConfigError::new(format!(
+                "gate spread fraction must be within [0, 10], got {fraction}"
+            )));
+        }
+        self.spread_fraction = fraction;
+        self.max_spread = max;
+        Ok(self)
+    }
+
+    /// Whether `anthropic-ratelimit-requests-*` and `x-ratelimit-*-requests` headers saying
+    /// no request is left close the gate until the reset, before any `429`. Defaults to true.
+    pub fn rate_limit_headers(mut self, yes: bool) -> Self {
+        self.rate_limit_headers = yes;
+        self
+    }
+
+    /// The wall clock against which RFC 3339 reset instants are read, so tests can fix "now".
+    /// Defaults to the system clock.
+    pub fn wall_clock(mut self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    pub(crate) fn reads_rate_limit_headers(&self) -> bool {
+        self.rate_limit_headers
+    }
+
+    pub(crate) fn now(&self) -> SystemTime {
+        match &self.clock {
+            Some(clock) => clock(),
+            None => SystemTime::now(),
+        }
+    }
+
+    fn spread_for(&self, announced: Duration) -> Duration {
+        announced.mul_f64(self.spread_fraction).min(self.max_spread)
+    }
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for GateConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GateConfig")
+            .field("spread_fraction", &self.spread_fraction)
+            .field("max_spread", &self.max_spread)
+            .field("rate_limit_headers", &self.rate_limit_headers)
+            .field("custom_clock", &self.clock.is_some())
+            .finish()
+    }
+}
+
+/// The gate's shared state.
+pub(crate) struct Gate {
+    pub(crate) config: GateConfig,
+    // The one thing an open gate costs a request: a load of this flag. It is only ever
+    // changed under the lock, so a close is never lost.
+    maybe_closed: AtomicBool,
+    closed: Mutex<Closed>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Closed {
+    until: Instant,
+    spread: Duration,
+}
+
+impl Gate {
+    pub(crate) fn new(config: GateConfig) -> Self {
+        Gate {
+            config,
+            maybe_closed: AtomicBool::new(false),
+            closed: Mutex::new(Closed {
+                until: Instant::now(),
+                spread: Duration::ZERO,
+            }),
+        }
+    }
+
+    /// Closes the gate for `wait` from `now`, unless it already stays closed longer.
+    pub(crate) fn close(&self, now: Instant, wait: Duration) {
+        if wait.is_zero() {
+            return;
+        }
+        let Some(until) = now.checked_add(wait) else {
+            return;
+        };
+        let mut closed = self.lock();
+        if until > closed.until {
+            *closed = Closed {
+                until,
+                spread: self.config.spread_for(wait),
+            };
+            self.maybe_closed.store(true, Ordering::Release);
+        }
+    }
+
+    /// When the gate is closed at `now`: the instant it reopens and the spread of its waiters.
+    fn closed_at(&self, now: Instant) -> Option<Closed> {
+        if !self.maybe_closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let closed = self.lock();
+        if closed.until <= now {
+            self.maybe_closed.store(false, Ordering::Release);
+            return None;
+        }
+        Some(*closed)
+    }
+
+    pub(crate) fn is_open_fast(&self) -> bool {
+        !self.maybe_closed.load(Ordering::Acquire)
+    }
+
+    /// The instant the gate reopens, if it is closed now.
+    pub(crate) fn closed_until(&self) -> Option<Instant> {
+        self.closed_at(Instant::now()).map(|c| c.until)
+    }
+
+    /// How long a waiter arriving at `now` waits, given the latest instant it may still be
+    /// held to (`cap`): until the gate reopens or `cap`, whichever is sooner, plus its share
+    /// of the spread. `None` when the gate is open, or `cap` has passed.
+    fn wait_for(&self, now: Instant, cap: Instant, random: &Random) -> Option<Instant> {
+        let closed = self.closed_at(now)?;
+        if cap <= now {
+            return None;
+        }
+        let extra = closed.spread.mul_f64(random.sample());
+        Some(closed.until.min(cap) + extra)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Closed> {
+        self.closed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for Gate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Gate")
+            .field("config", &self.config)
+            .field("closed_until", &self.closed_until())
+            .finish()
+    }
+}
+
+/// The longest a request is held at the gate, whatever its policy's ceiling.
+const MAX_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The cancellation token fired while a request waited at the gate.
+#[derive(Debug)]
+pub(crate) struct GateCancelled;
+
+pin_project! {
+    /// A request waiting at the closed gate, as a state of the retry loop's future.
+    pub(crate) struct GateWait {
+        #[pin]
+        sleep: Sleep,
+        #[pin]
+        cancel: Option<WaitForCancellationFutureOwned>,
+        fleet: Arc<Fleet>,
+        cap: Instant,
+        random: Random,
+    }
+}
+
+impl GateWait {
+    /// The wait at the gate before an attempt, or `None` when the gate is open.
+    pub(crate) fn start(
+        fleet: &Arc<Fleet>,
+        policy: &RetryPolicy,
+        cancel: Option<&CancellationToken>,
+    ) -> Option<Self> {
+        let gate = fleet.gate.as_ref()?;
+        if gate.is_open_fast() {
+            return None;
+        }
+        let now = Instant::now();
+        // A ceiling set to "forever" must not switch the gate off by overflowing.
+        let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
+        let random = policy.random_source().clone();
+        let until = gate.wait_for(now, cap, &random)?;
+        tracing::debug!(
+            wait_ms = (until - now).as_millis() as u64,
+            "waiting at the cooldown gate"
+        );
+        Some(GateWait {
+            sleep: tokio::time::sleep_until(until),
+            cancel: cancel.map(|t| t.clone().cancelled_owned()),
+            fleet: fleet.clone(),
+            cap,
+            random,
+        })
+    }
+}
+
+impl fmt::Debug for GateWait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GateWait")
+            .field("until", &self.sleep.deadline())
+            .finish()
+    }
+}
+
+impl Future for GateWait {
+    type Output = Result<(), GateCancelled>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Some(cancel) = this.cancel.as_mut().as_pin_mut() {
+            if cancel.poll(cx).is_ready() {
+                return Poll::Ready(Err(GateCancelled));
+            }
+        }
+        loop {
+            ready!(this.sleep.as_mut().poll(cx));
+            // Closed again meanwhile (another request's 429): wait again, with a fresh share
+            // of the new spread, but never past this request's cap.
+            let gate = this.fleet.gate.as_ref().expect("a gate wait needs a gate");
+            let now = Instant::now();
+            match gate.wait_for(now, *this.cap, this.random) {
+                Some(until) => this.sleep.as_mut().reset(until),
+                None => return Poll::Ready(Ok(())),
+            }
+        }
+    }
+}

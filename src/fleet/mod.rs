@@ -1,0 +1,133 @@
+//! Fleet behaviour: every service made from one [`RetryLayer`](crate::RetryLayer) shares a
+//! retry budget and, opt-in, a cooldown gate, so that many requests on one API key behave as
+//! a well-mannered fleet rather than a retry storm.
+//!
+//! Per-request retry alone turns an overload into a storm: each failed request retries, the
+//! retries add load, and an exact `Retry-After` sends everyone back in the same instant.
+//!
+//! - **Retry budget** ([`BudgetConfig`], on by default): every first attempt deposits, every
+//!   retry withdraws; retries the budget cannot pay for are not made. With the defaults,
+//!   retries add at most 20 % to the load, plus 10 a second. The accounting is
+//!   [`tower::retry::budget::TpsBudget`].
+//! - **Cooldown gate** ([`GateConfig`], off by default): a `429` or `529` with `Retry-After`,
+//!   or rate-limit headers saying no request is left ([`ratelimit`]), close the gate until
+//!   then; attempts about to be sent wait at the gate instead of hammering, and leave spread
+//!   over a window once it reopens. An open gate costs a request one atomic load.
+//!
+//! The state lives in an `Arc` created when the layer is built: the services a layer makes,
+//! and their clones, share it; two layers built separately do not.
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_llm_retry::fleet::{BudgetConfig, GateConfig};
+//! use tower_llm_retry::RetryLayer;
+//!
+//! # fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+//! // One layer per API key; every service built from it shares the budget and the gate.
+//! let layer = RetryLayer::new()
+//!     .budget(Some(BudgetConfig::new(Duration::from_secs(10), 5, 0.1)?))
+//!     .cooldown_gate(Some(GateConfig::new().spread(0.5, Duration::from_secs(10))?));
+//! # let _ = layer;
+//! # Ok(()) }
+//! ```
+//!
+//! # Why the gate is opt-in
+//!
+//! One gate holds every request of its layer. That is right when the layer's requests share a
+//! rate limit (one key, one upstream), and wrong when one layer fronts several providers or
+//! keys: a `429` from one would hold the others. Build one layer per key, then turn it on.
+//!
+//! # Differences from `tower::retry` with a budget
+//!
+//! - The budget is wired in: deposits on first attempts, a withdrawal before each retry, and
+//!   a refusal that is visible in the [`RetryTrail`](crate::RetryTrail)
+//!   ([`GiveUpReason::Budget`](crate::GiveUpReason::Budget)).
+//! - The gate has no counterpart in `tower::retry`, which knows no HTTP.
+
+mod budget;
+mod gate;
+pub mod ratelimit;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use tokio::time::Instant;
+
+pub use self::budget::BudgetConfig;
+pub use self::gate::GateConfig;
+pub(crate) use self::gate::GateWait;
+
+use self::budget::SharedBudget;
+use self::gate::Gate;
+use crate::retry::RetryPolicy;
+
+/// The state every service of one layer shares.
+#[derive(Debug)]
+pub(crate) struct Fleet {
+    budget: Option<(BudgetConfig, SharedBudget)>,
+    gate: Option<Gate>,
+}
+
+impl Fleet {
+    pub(crate) fn new(budget: Option<BudgetConfig>, gate: Option<GateConfig>) -> Arc<Self> {
+        Arc::new(Fleet {
+            budget: budget.map(|c| (c, c.build())),
+            gate: gate.map(Gate::new),
+        })
+    }
+
+    pub(crate) fn budget_config(&self) -> Option<BudgetConfig> {
+        self.budget.as_ref().map(|(c, _)| *c)
+    }
+
+    pub(crate) fn gate_config(&self) -> Option<GateConfig> {
+        self.gate.as_ref().map(|g| g.config.clone())
+    }
+
+    /// A first attempt is about to be sent.
+    pub(crate) fn deposit(&self) {
+        if let Some((_, budget)) = &self.budget {
+            budget.deposit();
+        }
+    }
+
+    /// A retry is planned: may it be made?
+    pub(crate) fn withdraw(&self) -> bool {
+        self.budget.as_ref().is_none_or(|(_, b)| b.withdraw())
+    }
+
+    /// Tells the gate what a response said: a `429` / `529` with `Retry-After`, or rate-limit
+    /// headers saying no request is left. The wait is capped at `policy`'s Retry-After ceiling.
+    pub(crate) fn observe(
+        &self,
+        head: &http::response::Parts,
+        retry_after: Option<Duration>,
+        policy: &RetryPolicy,
+    ) {
+        let Some(gate) = &self.gate else {
+            return;
+        };
+        let ceiling = policy.get_retry_after_max();
+        let status = head.status.as_u16();
+        if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
+            || status == crate::classify::STATUS_OVERLOADED
+        {
+            if let Some(wait) = retry_after {
+                gate.close(Instant::now(), wait.min(ceiling));
+            }
+        }
+        if gate.config.reads_rate_limit_headers() {
+            let h = &head.headers;
+            if h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
+                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING)
+            {
+                if let Some(wait) = ratelimit::requests_exhausted_for(h, gate.config.now()) {
+                    gate.close(Instant::now(), wait.min(ceiling));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,589 @@
+//! Fleet behaviour over real HTTP on 127.0.0.1, under paused time: the shared retry budget,
+//! the cooldown gate (Retry-After and rate-limit headers), its spread, ceiling and
+//! cancellation.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use common::*;
+use http::StatusCode;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tower::{Layer, ServiceBuilder, ServiceExt};
+use tower_llm_retry::fleet::{BudgetConfig, GateConfig};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::{Jitter, Random};
+use tower_llm_retry::{
+    ErrorKind, GiveUpReason, RetryEvent, RetryLayer, RetryObserver, RetryPolicy, RetryTrail,
+};
+
+/// Wakes the test when a retry has been planned (the gate has seen the response by then).
+#[derive(Debug, Clone, Default)]
+struct RetryPlanned(Arc<Notify>);
+
+impl RetryObserver for RetryPlanned {
+    fn on_retry(&self, _: &RetryEvent<'_>) {
+        self.0.notify_one();
+    }
+}
+
+/// Samples 0, 0.01, 0.02, … 0.99, 0, … so that each waiter's share of the spread is known.
+fn stepping_random() -> Random {
+    let n = Arc::new(AtomicU64::new(0));
+    Random::from_fn(move || (n.fetch_add(1, Ordering::SeqCst) % 100) as f64 / 100.0)
+}
+
+fn no_jitter() -> RetryPolicy {
+    RetryPolicy::default().jitter(Jitter::none())
+}
+
+/// Time from `origin` to each request the server received, sorted.
+fn arrivals(server: &MockServer, origin: Instant) -> Vec<Duration> {
+    let mut v: Vec<_> = server
+        .requests()
+        .iter()
+        .map(|r| r.received_at - origin)
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(start_paused = true)]
+async fn hard_outage_through_many_clones_retries_at_most_the_budget() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
+    // 3 retries without jitter take 3.5 s: every retry falls in one 10 s window.
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().max_retries(3))
+                .budget(Some(budget)),
+        )
+        .service(http_client());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await });
+    }
+    let (mut retries, mut denied) = (0, 0);
+    while let Some(joined) = tasks.join_next().await {
+        let res = joined.unwrap().unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let trail = res.extensions().get::<RetryTrail>().unwrap();
+        retries += trail.retries();
+        if trail.gave_up() == Some(GiveUpReason::Budget) {
+            denied += 1;
+        }
+    }
+    // 1 retry a second for 10 s, plus one per 10 first attempts.
+    assert_eq!(budget.max_retries(100), 20);
+    assert_eq!(retries, 20);
+    assert_eq!(server.request_count(), 120);
+    assert!(denied >= 80, "{denied} requests were refused a retry");
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_refusing_a_transport_retry_is_budget_exhausted() {
+    let server = MockServer::start(Script::always(Reply::reset()))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().budget(Some(
+            BudgetConfig::new(Duration::from_secs(1), 0, 0.0).unwrap(),
+        )))
+        .service(http_client());
+    let err = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BudgetExhausted);
+    assert!(err.is_budget_exhausted());
+    let trail = err.trail().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::Budget));
+    assert_eq!(trail.total_attempts(), 1);
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn normal_noise_is_never_denied() {
+    // One 503 in a hundred, and a budget with no reserve: only deposits pay for retries.
+    let mut script = Script::new();
+    for i in 0..1_100 {
+        script = script.then(if i % 100 == 50 {
+            Reply::status(503)
+        } else {
+            Reply::success()
+        });
+    }
+    let server = MockServer::start(script).await.unwrap();
+    let budget = BudgetConfig::new(Duration::from_secs(10), 0, 0.1).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().budget(Some(budget)))
+        .service(http_client());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let svc = svc.clone();
+        let url = server.url("/v1/messages");
+        tasks.spawn(async move {
+            let mut retried = 0;
+            for _ in 0..100 {
+                let res = svc
+                    .clone()
+                    .oneshot(anthropic_request(&url, BODY))
+                    .await
+                    .unwrap();
+                assert_eq!(res.status(), StatusCode::OK);
+                if let Some(trail) = res.extensions().get::<RetryTrail>() {
+                    assert_eq!(trail.gave_up(), None);
+                    retried += trail.retries();
+                }
+            }
+            retried
+        });
+    }
+    let mut retried = 0;
+    while let Some(n) = tasks.join_next().await {
+        retried += n.unwrap();
+    }
+    assert_eq!(retried, 10);
+    assert_eq!(server.request_count(), 1_010);
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_off_retries_every_time() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().max_retries(3))
+                .budget(None),
+        )
+        .service(http_client());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+    }
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        let trail = res.extensions().get::<RetryTrail>().unwrap();
+        assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxRetries));
+    }
+    assert_eq!(server.request_count(), 200);
+}
+
+type Svc = tower_llm_retry::Retry<HttpClient>;
+
+/// Sends one request that gets the server's first reply, and returns once its retry is
+/// planned (so the gate has seen the response), with the instant the server received it.
+async fn close_with(
+    server: &MockServer,
+    svc: &Svc,
+    planned: &RetryPlanned,
+) -> (
+    tokio::task::JoinHandle<Result<StatusCode, ErrorKind>>,
+    Instant,
+) {
+    let notified = planned.0.notified();
+    let svc = svc.clone();
+    let req = anthropic_request(&server.url("/v1/messages"), BODY);
+    let first = tokio::spawn(async move {
+        svc.oneshot(req)
+            .await
+            .map(|r| r.status())
+            .map_err(|e| e.kind())
+    });
+    notified.await;
+    (first, server.requests()[0].received_at)
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_429_holds_100_first_attempts_and_releases_them_spread() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("10")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let gate = GateConfig::new()
+        .spread(0.5, Duration::from_secs(30))
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().random(stepping_random()))
+                .observer(planned.clone())
+                .cooldown_gate(Some(gate)),
+        )
+        .service(http_client());
+    let (first, origin) = close_with(&server, &svc, &planned).await;
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+    }
+    // Nothing reaches the server while the gate is closed.
+    tokio::time::sleep(Duration::from_millis(9_999)).await;
+    assert_eq!(server.request_count(), 1);
+
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        // Waiting at the gate is not a failed attempt.
+        assert!(res.extensions().get::<RetryTrail>().is_none());
+    }
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+    assert_eq!(server.request_count(), 102);
+
+    // The first request's retry at exactly 10 s; the 100 waiters at 10 s plus their share of
+    // the spread, min(50 % × 10 s, 30 s) = 5 s: 10.00, 10.05, … 14.95 s.
+    let got = arrivals(&server, origin);
+    assert_eq!(got[0], Duration::ZERO);
+    let mut want = vec![Duration::from_secs(10)];
+    want.extend((0..100).map(|k| Duration::from_millis(10_000 + 50 * k)));
+    want.sort();
+    for (got, want) in got[1..].iter().zip(&want) {
+        // The timer wheel has millisecond resolution and rounds deadlines up.
+        assert!(
+            *got >= *want && *got < *want + Duration::from_millis(1),
+            "{got:?} vs {want:?}"
+        );
+    }
+    assert!(*got.last().unwrap() < Duration::from_secs(15));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_529_with_retry_after_closes_the_gate_but_a_503_does_not() {
+    for (reply, held) in [
+        (Reply::overloaded().header("retry-after", "4"), true),
+        (Reply::status(503).header("retry-after", "4"), false),
+    ] {
+        let server = MockServer::start(Script::new().then(reply)).await.unwrap();
+        let planned = RetryPlanned::default();
+        let svc = ServiceBuilder::new()
+            .layer(
+                RetryLayer::new()
+                    .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+                    .observer(planned.clone())
+                    .cooldown_gate(Some(GateConfig::new())),
+            )
+            .service(http_client());
+        let (first, origin) = close_with(&server, &svc, &planned).await;
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let waited = Instant::now() - origin;
+        if held {
+            assert_eq!(waited, Duration::from_secs(4));
+        } else {
+            assert!(waited < Duration::from_millis(1), "{waited:?}");
+        }
+        assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_while_waiting_at_the_gate_ends_at_once() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("30")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let token = CancellationToken::new();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .observer(planned.clone())
+                .cancellation(token.clone())
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    let (first, _) = close_with(&server, &svc, &planned).await;
+
+    let start = Instant::now();
+    let waiter = {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tokio::spawn(async move { (svc.oneshot(req).await, Instant::now()) })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    token.cancel();
+    let (outcome, at) = waiter.await.unwrap();
+    let err = outcome.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Cancelled);
+    assert_eq!(at - start, Duration::from_secs(5));
+    // It never reached the server, and neither did the first request's retry.
+    assert_eq!(err.trail().unwrap().total_attempts(), 0);
+    assert_eq!(first.await.unwrap(), Err(ErrorKind::Cancelled));
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_request_waiting_at_the_gate_sends_nothing() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("30")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(RetryPolicy::default().max_retries(0))
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let fut = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY));
+    assert!(tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .is_err());
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_is_held_no_longer_than_its_policy_ceiling() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("50")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+                .observer(planned.clone())
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    let (first, origin) = close_with(&server, &svc, &planned).await;
+    // This request's policy parks it for a Retry-After of at most 20 s.
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut().insert(
+        RetryPolicy::interactive()
+            .jitter(Jitter::none())
+            .random(Random::from_fn(|| 0.0)),
+    );
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(20));
+    // The first request's own retry still waits the 50 s it was told.
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+    assert_eq!(Instant::now() - origin, Duration::from_secs(50));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_above_the_ceiling_closes_the_gate_only_up_to_it() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("3600")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    // Above the 60 s ceiling the default policy gives up and returns the 429 …
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let origin = server.requests()[0].received_at;
+    // … and the gate holds the next request for the ceiling, not an hour.
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(60));
+}
+
+#[tokio::test(start_paused = true)]
+async fn rate_limit_headers_close_the_gate_before_any_429() {
+    // 2026-01-01T00:00:00Z on the gate's wall clock.
+    let now = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+    let cases = [
+        (
+            Reply::success()
+                .header("anthropic-ratelimit-requests-remaining", "0")
+                .header("anthropic-ratelimit-requests-reset", "2026-01-01T00:00:10Z"),
+            Some(Duration::from_secs(10)),
+        ),
+        (
+            Reply::success()
+                .header("x-ratelimit-remaining-requests", "0")
+                .header("x-ratelimit-reset-requests", "6.5s"),
+            Some(Duration::from_millis(6_500)),
+        ),
+        (
+            Reply::success()
+                .header("x-ratelimit-remaining-requests", "0")
+                .header("x-ratelimit-reset-requests", "6m0s"),
+            // Capped at the policy's 60 s ceiling.
+            Some(Duration::from_secs(60)),
+        ),
+        (
+            Reply::success()
+                .header("x-ratelimit-remaining-requests", "7")
+                .header("x-ratelimit-reset-requests", "6s"),
+            None,
+        ),
+        (
+            Reply::success()
+                .header("anthropic-ratelimit-requests-remaining", "0")
+                .header("anthropic-ratelimit-requests-reset", "garbage"),
+            None,
+        ),
+    ];
+    for (reply, want) in cases {
+        let server = MockServer::start(Script::new().then(reply)).await.unwrap();
+        let gate = GateConfig::new().wall_clock(move || now);
+        let svc = ServiceBuilder::new()
+            .layer(
+                RetryLayer::new()
+                    .policy(RetryPolicy::default().random(Random::from_fn(|| 0.0)))
+                    .cooldown_gate(Some(gate)),
+            )
+            .service(http_client());
+        for _ in 0..2 {
+            let res = svc
+                .clone()
+                .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+        }
+        let got = arrivals(&server, server.requests()[0].received_at);
+        match want {
+            Some(wait) => assert_eq!(got[1], wait),
+            None => assert!(got[1] < Duration::from_millis(1), "{got:?}"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn rate_limit_headers_can_be_ignored() {
+    let server = MockServer::start(
+        Script::new().then(
+            Reply::success()
+                .header("x-ratelimit-remaining-requests", "0")
+                .header("x-ratelimit-reset-requests", "6s"),
+        ),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().cooldown_gate(Some(GateConfig::new().rate_limit_headers(false))))
+        .service(http_client());
+    let start = Instant::now();
+    for _ in 0..2 {
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+    }
+    assert!(Instant::now() - start < Duration::from_millis(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let layer = RetryLayer::new()
+        .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+        .observer(planned.clone())
+        .cooldown_gate(Some(GateConfig::new()));
+    let a = layer.clone().layer(http_client());
+    let b = layer.layer(http_client());
+    let separate = RetryLayer::new()
+        .cooldown_gate(Some(GateConfig::new()))
+        .layer(http_client());
+    let (first, origin) = close_with(&server, &a, &planned).await;
+
+    separate
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(Instant::now() - origin < Duration::from_millis(1));
+
+    b.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(Instant::now() - origin, Duration::from_secs(8));
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_gate_is_off_by_default() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().observer(planned.clone()))
+        .service(http_client());
+    let (first, origin) = close_with(&server, &svc, &planned).await;
+    svc.clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(Instant::now() - origin < Duration::from_millis(1));
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}
+
+#[test]
+fn config_validation() {
+    assert!(GateConfig::new().spread(-0.1, Duration::ZERO).is_err());
+    assert!(GateConfig::new().spread(f64::NAN, Duration::ZERO).is_err());
+    assert!(GateConfig::new().spread(11.0, Duration::ZERO).is_err());
+    assert!(GateConfig::new().spread(0.0, Duration::ZERO).is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unbounded_ceiling_still_waits_at_the_gate() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("5")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().random(Random::from_fn(|| 0.0)))
+                .observer(planned.clone())
+                .cooldown_gate(Some(GateConfig::new())),
+        )
+        .service(http_client());
+    let (first, origin) = close_with(&server, &svc, &planned).await;
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut().insert(
+        no_jitter()
+            .random(Random::from_fn(|| 0.0))
+            .retry_after_max(Duration::MAX),
+    );
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(5));
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}
