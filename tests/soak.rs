@@ -97,7 +97,7 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                         .head_timeout(Some(Duration::from_secs(30)))
                         .idle_timeout(Some(Duration::from_secs(30))),
                 )
-                .budget(Some(budget.clone())),
+                .budget(Some(budget)),
         )
         .layer(ModelFallbackLayer::new([FALLBACK]).unwrap())
         .layer(ContextOverflowLayer::new())
