@@ -309,7 +309,7 @@ where
                 }
                 StateProj::Calling {
                     future,
-                    timeout,
+                    mut timeout,
                     span,
                 } => {
                     let polled = {
@@ -319,6 +319,14 @@ where
                     let result = match polled {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
+                            // The timer starts the first time the attempt has to wait, so an
+                            // answer that is ready at once never touches the timer wheel.
+                            if timeout.is_none() {
+                                match ctx.head_timeout() {
+                                    Some(d) => timeout.set(Some(tokio::time::sleep(d))),
+                                    None => return Poll::Pending,
+                                }
+                            }
                             let fired = timeout.as_pin_mut().is_some_and(|t| t.poll(cx).is_ready());
                             if !fired {
                                 return Poll::Pending;
@@ -755,7 +763,7 @@ where
         };
         State::Calling {
             future,
-            timeout: self.head_timeout().map(tokio::time::sleep),
+            timeout: None,
             span,
         }
     }
