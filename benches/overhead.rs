@@ -337,26 +337,8 @@ fn loopback() -> (f64, f64) {
         let server = tokio::spawn(serve(listener));
         let body = payload(KIB);
         let bare = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let variant = std::env::var("VARIANT").unwrap_or_default();
-        let mut layer = RetryLayer::new();
-        let mut policy = tower_llm_retry::RetryPolicy::default();
-        if variant.contains("nobudget") { layer = layer.budget(None); }
-        if variant.contains("notimeout") { policy = policy.head_timeout(None).idle_timeout(None); }
-        let ours = layer.policy(policy)
+        let ours = RetryLayer::new()
             .layer(Client::builder(TokioExecutor::new()).build_http::<ReplayBody>());
-        let bare2 = Client::builder(TokioExecutor::new()).build_http::<ReplayBody>();
-        if variant.contains("replaybare") {
-            let mut b = Vec::new();
-            let mut o = Vec::new();
-            rps(bare.clone(), &url, body.clone(), Full::new).await;
-            rps(bare2.clone(), &url, body.clone(), ReplayBody::new).await;
-            for _ in 0..LOOPBACK_ROUNDS {
-                b.push(rps(bare.clone(), &url, body.clone(), Full::new).await);
-                o.push(rps(bare2.clone(), &url, body.clone(), ReplayBody::new).await);
-            }
-            server.abort();
-            return (median(b), median(o));
-        }
         // Warm the connection pools, then alternate so that drift hits both alike.
         rps(bare.clone(), &url, body.clone(), Full::new).await;
         rps(ours.clone(), &url, body.clone(), Full::new).await;

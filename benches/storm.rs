@@ -35,8 +35,9 @@
 //!   `min(0.5 s · 2^n, 8 s) × (1 − 0.25 · U)`, a `retry-after` honoured when 0 < x ≤ 60 s.
 //! - `default`: this crate's `RetryLayer::new()` as shipped (default policy, retry budget on,
 //!   cooldown gate off).
-//! - `default_gate_budget`: the same with the cooldown gate on
-//!   (`.cooldown_gate(Some(GateConfig::default()))`).
+//! - `default_gate_budget`: the same with the fleet features on: the cooldown gate and the
+//!   adaptive pacing (`.cooldown_gate(Some(GateConfig::default()))`,
+//!   `.pacing(Some(PacingConfig::default()))`), budget as shipped.
 //!
 //! This crate's rows drive the real `RetryLayer` over an in-memory `tower::Service` that is the
 //! simulated server, so the budget and the gate run for real; every client clones one service.
@@ -65,7 +66,8 @@ use tower::util::rng::HasherRng;
 use tower::{Layer, Service, ServiceExt};
 use tower_llm_retry::retry::Random;
 use tower_llm_retry::{
-    AttemptContext, BudgetConfig, GateConfig, ReplayBody, Retry, RetryLayer, RetryPolicy,
+    AttemptContext, BudgetConfig, GateConfig, PacingConfig, ReplayBody, Retry, RetryLayer,
+    RetryPolicy,
 };
 
 const CLIENTS: usize = 1_000;
@@ -480,6 +482,7 @@ impl Runner {
                     .policy(ours())
                     .budget(Some(BudgetConfig::default()))
                     .cooldown_gate(Some(GateConfig::default()))
+                    .pacing(Some(PacingConfig::default()))
                     .layer(SimService(sim.clone())),
             ),
         }

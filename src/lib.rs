@@ -99,6 +99,7 @@
 //! | rate-limited pool key | rests for the `Retry-After`, or 5 s without one |
 //! | retry budget, shared by the layer's services | on: 10 retries/s plus 20 % of first attempts, over 10 s |
 //! | cooldown gate, shared by the layer's services | off ([`RetryLayer::cooldown_gate`]) |
+//! | adaptive pacing, shared by the layer's services | off ([`RetryLayer::pacing`]) |
 //!
 //! # Features
 //!
@@ -155,7 +156,7 @@ pub use crate::error::{
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
-pub use crate::fleet::{BudgetConfig, GateConfig};
+pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
 };

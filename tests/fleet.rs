@@ -1,6 +1,6 @@
 //! Fleet behaviour over real HTTP on 127.0.0.1, under paused time: the shared retry budget,
 //! the cooldown gate (Retry-After and rate-limit headers), its spread, ceiling and
-//! cancellation.
+//! cancellation, and the adaptive pacing.
 
 mod common;
 
@@ -586,4 +586,159 @@ async fn an_unbounded_ceiling_still_waits_at_the_gate() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(Instant::now() - origin, Duration::from_secs(5));
     assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adaptive pacing.
+
+fn paced(initial: f64, max: f64) -> tower_llm_retry::fleet::PacingConfig {
+    tower_llm_retry::fleet::PacingConfig::new()
+        .rates(initial, 1.0, max)
+        .unwrap()
+        .decrease(0.5)
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn pacing_spaces_attempts_by_the_rate_in_arrival_order() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(10.0, 10.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..5u32 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { (i, svc.oneshot(req).await.unwrap().status()) });
+        // Arrival order is the order of spawning.
+        tokio::task::yield_now().await;
+    }
+    while let Some(j) = tasks.join_next().await {
+        assert_eq!(j.unwrap().1, StatusCode::OK);
+    }
+    let ms: Vec<u128> = arrivals(&server, origin)
+        .iter()
+        .map(|d| (d.as_micros() + 500) / 1000)
+        .collect();
+    assert_eq!(ms, [0, 100, 200, 300, 400]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_slows_the_pacing_for_everyone_in_line() {
+    // The first request is refused (Retry-After 0 so its retry does not sleep); the rate
+    // halves from 10/s to 5/s for every attempt still in line.
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("0")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(10.0, 10.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        tokio::task::yield_now().await;
+    }
+    while let Some(j) = tasks.join_next().await {
+        assert_eq!(j.unwrap(), StatusCode::OK);
+    }
+    let ms: Vec<u128> = arrivals(&server, origin)
+        .iter()
+        .map(|d| (d.as_micros() + 500) / 1000)
+        .collect();
+    // 0: refused. The turn already scheduled (100 ms) is kept; from there the line moves every
+    // 200 ms, and the refused request's retry, queued last, goes last. (Within the timer
+    // wheel's 1 ms.)
+    let want = [0, 100, 300, 500, 700];
+    assert_eq!(ms.len(), want.len());
+    for (got, want) in ms.iter().zip(want) {
+        assert!(got.abs_diff(want) <= 1, "{ms:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn leaving_the_pacing_line_sends_nothing_and_frees_the_turn() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(10.0, 10.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let first = tokio::spawn(
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    );
+    tokio::task::yield_now().await;
+    // The second waits for its turn at 100 ms, and is dropped at 50 ms.
+    let second = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY));
+    assert!(tokio::time::timeout(Duration::from_millis(50), second)
+        .await
+        .is_err());
+    let third = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY));
+    assert_eq!(third.await.unwrap().status(), StatusCode::OK);
+    first.await.unwrap().unwrap();
+    let ms: Vec<u128> = arrivals(&server, origin)
+        .iter()
+        .map(|d| (d.as_micros() + 500) / 1000)
+        .collect();
+    // The third takes the turn the second left.
+    assert_eq!(ms, [0, 100]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_short_retry_after_below_min_close_leaves_the_gate_open() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("2"))
+            .then(Reply::success())
+            .then(Reply::success()),
+    )
+    .await
+    .unwrap();
+    let gate = GateConfig::new()
+        .spread(0.0, Duration::ZERO)
+        .unwrap()
+        .min_close(Duration::from_secs(5));
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .cooldown_gate(Some(gate)),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    // A 429 asking for 2 s: this request waits 2 s, the gate stays open for the others.
+    let a = tokio::spawn(
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let b = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY));
+    assert_eq!(b.await.unwrap().status(), StatusCode::OK);
+    assert_eq!(a.await.unwrap().unwrap().status(), StatusCode::OK);
+    let ms: Vec<u128> = arrivals(&server, origin)
+        .iter()
+        .map(|d| d.as_millis())
+        .collect();
+    assert_eq!(ms, [0, 1000, 2000]);
 }

@@ -36,6 +36,7 @@ pub struct GateConfig {
     spread_fraction: f64,
     max_spread: Duration,
     rate_limit_headers: bool,
+    min_close: Duration,
     clock: Option<WallClock>,
 }
 
@@ -46,6 +47,7 @@ impl GateConfig {
             spread_fraction: 0.5,
             max_spread: Duration::from_secs(30),
             rate_limit_headers: true,
+            min_close: Duration::ZERO,
             clock: None,
         }
     }
@@ -62,6 +64,20 @@ impl GateConfig {
         self.spread_fraction = fraction;
         self.max_spread = max;
         Ok(self)
+    }
+
+    /// The shortest `Retry-After` that closes the gate for everyone; a shorter one is left to
+    /// the request that received it (and, when on, to the
+    /// [pacing](crate::fleet::PacingConfig), which slows the fleet without
+    /// stopping it). Rate-limit headers close the gate whatever their wait. Defaults to zero:
+    /// every `Retry-After` closes it.
+    pub fn min_close(mut self, wait: Duration) -> Self {
+        self.min_close = wait;
+        self
+    }
+
+    pub(crate) fn get_min_close(&self) -> Duration {
+        self.min_close
     }
 
     /// Whether `anthropic-ratelimit-requests-*` and `x-ratelimit-*-requests` headers saying
@@ -106,6 +122,7 @@ impl fmt::Debug for GateConfig {
             .field("spread_fraction", &self.spread_fraction)
             .field("max_spread", &self.max_spread)
             .field("rate_limit_headers", &self.rate_limit_headers)
+            .field("min_close", &self.min_close)
             .field("custom_clock", &self.clock.is_some())
             .finish()
     }

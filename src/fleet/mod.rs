@@ -13,6 +13,11 @@
 //!   or rate-limit headers saying no request is left ([`ratelimit`]), close the gate until
 //!   then; attempts about to be sent wait at the gate instead of hammering, and leave spread
 //!   over a window once it reopens. An open gate costs a request one atomic load.
+//! - **Adaptive pacing** ([`PacingConfig`], off by default): attempts leave evenly spaced, in
+//!   arrival order, at a rate learned from the answers: slow start until the first refusal,
+//!   then a small increase per success and a multiplicative decrease per `429` or overload.
+//!   A fleet whose requests start together otherwise comes back together, and a server's
+//!   limiter refuses the part of every burst above its capacity even when the average fits.
 //!
 //! The state lives in an `Arc` created when the layer is built: the services a layer makes,
 //! and their clones, share it; two layers built separately do not.
@@ -21,23 +26,25 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_llm_retry::fleet::{BudgetConfig, GateConfig};
+//! use tower_llm_retry::fleet::{BudgetConfig, GateConfig, PacingConfig};
 //! use tower_llm_retry::RetryLayer;
 //!
 //! # fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
 //! // One layer per API key; every service built from it shares the budget and the gate.
 //! let layer = RetryLayer::new()
 //!     .budget(Some(BudgetConfig::new(Duration::from_secs(10), 5, 0.1)?))
-//!     .cooldown_gate(Some(GateConfig::new().spread(0.5, Duration::from_secs(10))?));
+//!     .cooldown_gate(Some(GateConfig::new().spread(0.5, Duration::from_secs(10))?))
+//!     .pacing(Some(PacingConfig::new()));
 //! # let _ = layer;
 //! # Ok(()) }
 //! ```
 //!
-//! # Why the gate is opt-in
+//! # Why the gate and the pacing are opt-in
 //!
-//! One gate holds every request of its layer. That is right when the layer's requests share a
-//! rate limit (one key, one upstream), and wrong when one layer fronts several providers or
-//! keys: a `429` from one would hold the others. Build one layer per key, then turn it on.
+//! One gate, and one pace, hold every request of their layer. That is right when the layer's
+//! requests share a rate limit (one key, one upstream), and wrong when one layer fronts
+//! several providers or keys: a `429` from one would hold the others. Build one layer per key,
+//! then turn them on.
 //!
 //! # Differences from `tower::retry` with a budget
 //!
@@ -48,6 +55,7 @@
 
 mod budget;
 mod gate;
+mod limit;
 pub mod ratelimit;
 
 use std::sync::Arc;
@@ -59,9 +67,12 @@ use tokio::time::Instant;
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
 pub(crate) use self::gate::GateWait;
+pub use self::limit::PacingConfig;
+use self::limit::Turn;
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
+use self::limit::Pacer;
 use crate::retry::RetryPolicy;
 
 /// The state every service of one layer shares.
@@ -69,13 +80,19 @@ use crate::retry::RetryPolicy;
 pub(crate) struct Fleet {
     budget: Option<(BudgetConfig, SharedBudget)>,
     gate: Option<Gate>,
+    pacer: Option<Pacer>,
 }
 
 impl Fleet {
-    pub(crate) fn new(budget: Option<BudgetConfig>, gate: Option<GateConfig>) -> Arc<Self> {
+    pub(crate) fn new(
+        budget: Option<BudgetConfig>,
+        gate: Option<GateConfig>,
+        pacing: Option<PacingConfig>,
+    ) -> Arc<Self> {
         Arc::new(Fleet {
             budget: budget.map(|c| (c, c.build())),
             gate: gate.map(Gate::new),
+            pacer: pacing.map(Pacer::new),
         })
     }
 
@@ -85,6 +102,40 @@ impl Fleet {
 
     pub(crate) fn gate_config(&self) -> Option<GateConfig> {
         self.gate.as_ref().map(|g| g.config.clone())
+    }
+
+    pub(crate) fn pacing_config(&self) -> Option<PacingConfig> {
+        self.pacer.as_ref().map(|p| p.config())
+    }
+
+    /// The current pacing rate, in requests per second, when pacing is on.
+    pub(crate) fn pacing_rate(&self) -> Option<f64> {
+        self.pacer.as_ref().map(|p| p.rate())
+    }
+
+    /// A place in the pacing line for the next attempt, when pacing is on. Dropping it before
+    /// its turn leaves the line.
+    pub(crate) fn ticket(self: &Arc<Self>) -> Option<Ticket> {
+        let n = self.pacer.as_ref()?.ticket();
+        Some(Ticket {
+            fleet: self.clone(),
+            n,
+            served: false,
+        })
+    }
+
+    /// An attempt sent in `epoch` succeeded.
+    pub(crate) fn paced_success(&self) {
+        if let Some(p) = &self.pacer {
+            p.on_success();
+        }
+    }
+
+    /// An attempt sent in `epoch` was refused for load.
+    pub(crate) fn paced_refusal(&self, epoch: u64) {
+        if let Some(p) = &self.pacer {
+            p.on_refusal(epoch);
+        }
     }
 
     /// A first attempt is about to be sent.
@@ -115,7 +166,7 @@ impl Fleet {
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
             || status == crate::classify::STATUS_OVERLOADED
         {
-            if let Some(wait) = retry_after {
+            if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
                 gate.close(Instant::now(), wait.min(ceiling));
             }
         }
@@ -129,5 +180,47 @@ impl Fleet {
                 }
             }
         }
+    }
+}
+
+/// A place in the pacing line.
+pub(crate) struct Ticket {
+    fleet: Arc<Fleet>,
+    n: u64,
+    served: bool,
+}
+
+impl Ticket {
+    /// `Ok(epoch)` when the turn has come (the ticket is then used up), or the instant to look
+    /// again.
+    pub(crate) fn poll_turn(&mut self) -> Result<u64, Instant> {
+        let pacer = self
+            .fleet
+            .pacer
+            .as_ref()
+            .expect("tickets come from a pacer");
+        match pacer.poll_turn(self.n) {
+            Turn::Go(epoch) => {
+                self.served = true;
+                Ok(epoch)
+            }
+            Turn::Wait(at) => Err(at),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.served {
+            if let Some(p) = &self.fleet.pacer {
+                p.abandon(self.n);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket").field("n", &self.n).finish()
     }
 }

@@ -24,7 +24,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
-use crate::fleet::GateWait;
+use crate::fleet::{GateWait, Ticket};
 use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
 };
@@ -83,22 +83,29 @@ pin_project! {
             #[pin] timeout: Option<Sleep>,
             span: Span,
         },
-        Peeking {
-            head: Option<http::response::Parts>,
-            peeked: Option<Peeked<R>>,
-            mode: PeekMode,
-            #[pin] idle: Option<Sleep>,
-            armed: bool,
-            span: Span,
-        },
+        // The states off the success path are boxed: it keeps the future small on the path
+        // every request takes, at the cost of an allocation on the ones few take.
+        Peeking { peek: Box<PeekState<R>> },
         Sleeping {
-            #[pin] sleep: Sleep,
-            #[pin] cancel: Option<WaitForCancellationFutureOwned>,
+            sleep: Pin<Box<Sleep>>,
+            cancel: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
         },
         // Fleet: waiting at the closed cooldown gate before an attempt.
-        Gated { #[pin] wait: GateWait },
+        Gated { wait: Pin<Box<GateWait>> },
+        // Fleet: waiting for this attempt's turn of the adaptive pacing.
+        Pacing { sleep: Pin<Box<Sleep>>, ticket: Ticket },
         Done,
     }
+}
+
+/// Reading the start of a response body before deciding.
+struct PeekState<R> {
+    head: Option<http::response::Parts>,
+    peeked: Option<Peeked<R>>,
+    mode: PeekMode,
+    idle: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+    span: Span,
 }
 
 /// Why the loop reads the start of a response body before deciding.
@@ -130,7 +137,7 @@ enum Peek {
 struct Ctx<S, C> {
     service: S,
     config: Arc<Config<C>>,
-    policy_override: Option<RetryPolicy>,
+    policy_override: Option<Box<RetryPolicy>>,
     parts: Option<http::request::Parts>,
     body: Option<ReplayBody>,
     attempt: u32,
@@ -144,6 +151,8 @@ struct Ctx<S, C> {
     model: Option<Option<String>>,
     // Fleet: this attempt already waited at the gate.
     gate_passed: bool,
+    // Fleet: the pacing epoch of the attempt about to start or in flight, once it has its turn.
+    paced: Option<u64>,
 }
 
 /// What the loop does after judging an attempt.
@@ -171,6 +180,7 @@ where
             State::Peeking { .. } => "peeking",
             State::Sleeping { .. } => "sleeping",
             State::Gated { .. } => "gated",
+            State::Pacing { .. } => "pacing",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
@@ -209,7 +219,7 @@ where
         let mut ctx = Ctx {
             service,
             config,
-            policy_override,
+            policy_override: policy_override.map(Box::new),
             parts: Some(parts),
             body: None,
             attempt: 0,
@@ -222,6 +232,7 @@ where
             deadline,
             model: None,
             gate_passed: false,
+            paced: None,
         };
         let state = if over_cap {
             // Too big to hold: send it once, as it streams, and never retry it.
@@ -265,7 +276,14 @@ where
                         ctx.body = Some(ReplayBody::buffered(data, trailers));
                         // Fleet: wait at the cooldown gate while it is closed.
                         if let Some(wait) = ctx.gate_wait() {
-                            this.state.set(State::Gated { wait });
+                            this.state.set(State::Gated {
+                                wait: Box::pin(wait),
+                            });
+                            continue;
+                        }
+                        // Fleet: wait for this attempt's turn of the pacing.
+                        if let Some((sleep, ticket)) = ctx.take_turn() {
+                            this.state.set(State::Pacing { sleep, ticket });
                             continue;
                         }
                         // The service was polled ready before `call`; the first attempt
@@ -294,7 +312,14 @@ where
                     }
                     // Fleet: wait at the cooldown gate while it is closed.
                     if let Some(wait) = ctx.gate_wait() {
-                        this.state.set(State::Gated { wait });
+                        this.state.set(State::Gated {
+                            wait: Box::pin(wait),
+                        });
+                        continue;
+                    }
+                    // Fleet: wait for this attempt's turn of the pacing.
+                    if let Some((sleep, ticket)) = ctx.take_turn() {
+                        this.state.set(State::Pacing { sleep, ticket });
                         continue;
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
@@ -342,12 +367,14 @@ where
                             span.record("http.response.status_code", head.status.as_u16());
                             if let Some(mode) = ctx.peek_mode(&head) {
                                 this.state.set(State::Peeking {
-                                    head: Some(head),
-                                    peeked: Some(Peeked::new(body)),
-                                    mode,
-                                    idle: None,
-                                    armed: false,
-                                    span,
+                                    peek: Box::new(PeekState {
+                                        head: Some(head),
+                                        peeked: Some(Peeked::new(body)),
+                                        mode,
+                                        idle: None,
+                                        armed: false,
+                                        span,
+                                    }),
                                 });
                                 continue;
                             }
@@ -409,20 +436,21 @@ where
                         }
                     }
                 }
-                StateProj::Peeking {
-                    head,
-                    peeked,
-                    mode,
-                    mut idle,
-                    armed,
-                    span,
-                } => {
+                StateProj::Peeking { peek } => {
+                    let PeekState {
+                        head,
+                        peeked,
+                        mode,
+                        idle,
+                        armed,
+                        span,
+                    } = &mut **peek;
                     let body = peeked.as_mut().expect("peek state holds the body");
                     let idle_timeout = ctx.policy().get_idle_timeout();
                     let outcome = ready!(poll_peek(
                         body,
                         mode,
-                        idle.as_mut(),
+                        idle,
                         armed,
                         idle_timeout,
                         ctx.config.peek_limit,
@@ -492,24 +520,40 @@ where
                     }
                 }
                 StateProj::Sleeping { sleep, cancel } => {
-                    if let Some(cancel) = cancel.as_pin_mut() {
-                        if cancel.poll(cx).is_ready() {
+                    if let Some(cancel) = cancel.as_mut() {
+                        if cancel.as_mut().poll(cx).is_ready() {
                             this.state.set(State::Done);
                             return Poll::Ready(Err(ctx.cancelled()));
                         }
                     }
-                    ready!(sleep.poll(cx));
+                    ready!(sleep.as_mut().poll(cx));
                     this.state.set(State::Ready);
                 }
                 // Fleet: the gate reopened (or this request's wait is over); go through Ready
                 // to poll the service ready after the wait.
                 StateProj::Gated { wait } => {
-                    if ready!(wait.poll(cx)).is_err() {
+                    if ready!(wait.as_mut().poll(cx)).is_err() {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
                     ctx.gate_passed = true;
                     this.state.set(State::Ready);
+                }
+                // Fleet: this attempt's turn came; go through Ready to poll the service ready.
+                StateProj::Pacing { sleep, ticket } => {
+                    if ctx.is_cancelled() {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.cancelled()));
+                    }
+                    ready!(sleep.as_mut().poll(cx));
+                    match ticket.poll_turn() {
+                        Ok(epoch) => {
+                            ctx.paced = Some(epoch);
+                            this.state.set(State::Ready);
+                        }
+                        // The line moved slower than estimated: look again later.
+                        Err(at) => sleep.as_mut().reset(at),
+                    }
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -522,7 +566,7 @@ where
 fn poll_peek<R, C>(
     peeked: &mut Peeked<R>,
     mode: &mut PeekMode,
-    mut idle: Pin<&mut Option<Sleep>>,
+    idle: &mut Option<Pin<Box<Sleep>>>,
     armed: &mut bool,
     idle_timeout: Option<Duration>,
     peek_limit: usize,
@@ -585,13 +629,13 @@ where
                 if !*armed {
                     *armed = true;
                     let deadline = Instant::now() + timeout;
-                    match idle.as_mut().as_pin_mut() {
-                        Some(sleep) => sleep.reset(deadline),
-                        None => idle.set(Some(tokio::time::sleep_until(deadline))),
+                    match idle.as_mut() {
+                        Some(sleep) => sleep.as_mut().reset(deadline),
+                        None => *idle = Some(Box::pin(tokio::time::sleep_until(deadline))),
                     }
                 }
-                let sleep = idle.as_mut().as_pin_mut().expect("armed above");
-                if sleep.poll(cx).is_pending() {
+                let sleep = idle.as_mut().expect("armed above");
+                if sleep.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
                 }
                 // The body stalled. An error body is judged on what came; a stream or an
@@ -639,7 +683,9 @@ where
     C: Classify,
 {
     fn policy(&self) -> &RetryPolicy {
-        self.policy_override.as_ref().unwrap_or(&self.config.policy)
+        self.policy_override
+            .as_deref()
+            .unwrap_or(&self.config.policy)
     }
 
     fn is_cancelled(&self) -> bool {
@@ -775,8 +821,12 @@ where
     {
         self.attempt += 1;
         State::Sleeping {
-            sleep: tokio::time::sleep(delay),
-            cancel: self.config.cancel.clone().map(|t| t.cancelled_owned()),
+            sleep: Box::pin(tokio::time::sleep(delay)),
+            cancel: self
+                .config
+                .cancel
+                .clone()
+                .map(|t| Box::pin(t.cancelled_owned())),
         }
     }
 
@@ -830,6 +880,29 @@ where
         Ok(delay)
     }
 
+    /// Fleet: takes the next attempt's turn of the pacing (unless it has one, or there is no
+    /// pacing), returning the wait and the place in line when the turn is not now.
+    fn take_turn(&mut self) -> Option<(Pin<Box<Sleep>>, Ticket)> {
+        if self.paced.is_some() {
+            return None;
+        }
+        let mut ticket = self.config.fleet.ticket()?;
+        match ticket.poll_turn() {
+            Ok(epoch) => {
+                self.paced = Some(epoch);
+                None
+            }
+            Err(at) => {
+                tracing::trace!(
+                    rate = self.config.fleet.pacing_rate(),
+                    wait_ms = at.saturating_duration_since(Instant::now()).as_millis() as u64,
+                    "waiting for a pacing turn"
+                );
+                Some((Box::pin(tokio::time::sleep_until(at)), ticket))
+            }
+        }
+    }
+
     /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
     fn gate_wait(&self) -> Option<GateWait> {
         if self.gate_passed {
@@ -861,6 +934,9 @@ where
         span: &Span,
     ) -> Verdict {
         if c.is_success() {
+            if self.paced.take().is_some() {
+                self.config.fleet.paced_success();
+            }
             if self.attempt > 0 {
                 if let Some(observer) = &self.config.observer {
                     observer.on_recovered(self.sent);
@@ -871,6 +947,12 @@ where
         }
         let class = c.class().unwrap_or(FailureClass::Other);
         span.record("error.type", class.as_str());
+        // Fleet: a refusal for load slows the pacing.
+        if let Some(epoch) = self.paced.take() {
+            if matches!(class, FailureClass::RateLimited | FailureClass::Overloaded) {
+                self.config.fleet.paced_refusal(epoch);
+            }
+        }
         self.note_class(Some(class));
         self.trail.push(AttemptRecord {
             attempt: self.attempt,

@@ -8,7 +8,7 @@ use tower_layer::Layer;
 use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
-use crate::fleet::{BudgetConfig, Fleet, GateConfig};
+use crate::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
 
 /// The default bound on how much of an error body is read to classify it.
 pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
@@ -51,7 +51,7 @@ impl RetryLayer {
                 attempt_header: None,
                 sse_gate: true,
                 buffer_responses: None,
-                fleet: Fleet::new(Some(BudgetConfig::default()), None),
+                fleet: Fleet::new(Some(BudgetConfig::default()), None, None),
             },
         }
     }
@@ -132,7 +132,11 @@ impl<C> RetryLayer<C> {
     /// [`fleet`](crate::fleet). Defaults to [`BudgetConfig::default`]: a 10 s window,
     /// 10 retries a second plus 20 % of first attempts.
     pub fn budget(mut self, budget: Option<BudgetConfig>) -> Self {
-        self.config.fleet = Fleet::new(budget, self.config.fleet.gate_config());
+        self.config.fleet = Fleet::new(
+            budget,
+            self.config.fleet.gate_config(),
+            self.config.fleet.pacing_config(),
+        );
         self
     }
 
@@ -141,7 +145,24 @@ impl<C> RetryLayer<C> {
     /// every attempt until then, and release them spread out. See [`fleet`](crate::fleet).
     /// Defaults to `None` (off).
     pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
-        self.config.fleet = Fleet::new(self.config.fleet.budget_config(), gate);
+        self.config.fleet = Fleet::new(
+            self.config.fleet.budget_config(),
+            gate,
+            self.config.fleet.pacing_config(),
+        );
+        self
+    }
+
+    /// Adaptive pacing shared by every service made from this layer (and their clones):
+    /// attempts leave evenly spaced at a rate that grows with successes and shrinks on `429` /
+    /// overload, the rest waiting their turn in arrival order. See [`PacingConfig`]. Defaults
+    /// to `None` (off).
+    pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
+        self.config.fleet = Fleet::new(
+            self.config.fleet.budget_config(),
+            self.config.fleet.gate_config(),
+            pacing,
+        );
         self
     }
 }
