@@ -8,9 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use common::*;
-use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -122,25 +120,6 @@ async fn send(url: &str) -> Result<http::Response<RetryBody<hyper::body::Incomin
         .service(http_client())
         .oneshot(anthropic_request(url, BODY))
         .await
-}
-
-async fn drain<B>(mut body: RetryBody<B>) -> (Bytes, Option<Error>)
-where
-    B: http_body::Body + Unpin,
-    B::Error: Into<tower_llm_retry::BoxError>,
-{
-    let mut out = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        match frame {
-            Ok(f) => {
-                if let Ok(d) = f.into_data() {
-                    out.extend_from_slice(&d);
-                }
-            }
-            Err(e) => return (out.freeze(), Some(e)),
-        }
-    }
-    (out.freeze(), None)
 }
 
 /// Asserts a transport failure on every one of the three attempts.

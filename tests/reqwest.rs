@@ -10,7 +10,7 @@ use common::*;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
 use tower_llm_retry::reqwest::ReqwestService;
 use tower_llm_retry::reqwest_middleware::RetryMiddleware;
 use tower_llm_retry::retry::Jitter;
@@ -38,14 +38,6 @@ fn gaps(server: &MockServer) -> Vec<Duration> {
         .windows(2)
         .map(|w| w[1].received_at - w[0].received_at)
         .collect()
-}
-
-fn concat(events: &[SseEvent]) -> Bytes {
-    let mut out = BytesMut::new();
-    for e in events {
-        out.extend_from_slice(&e.bytes());
-    }
-    out.freeze()
 }
 
 fn faults() -> Script {

@@ -5,27 +5,17 @@ mod common;
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use common::*;
 use http::StatusCode;
 use http_body::Body as _;
-use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
 use tower_llm_retry::retry::Jitter;
 use tower_llm_retry::{
-    CommitReason, Error, ErrorKind, FailureClass, GiveUpReason, OutputTruncated, RetryBody,
-    RetryLayer, RetryPolicy, RetryTrail, StreamCommitted,
+    CommitReason, ErrorKind, FailureClass, GiveUpReason, OutputTruncated, RetryBody, RetryLayer,
+    RetryPolicy, RetryTrail, StreamCommitted,
 };
-
-fn concat(events: &[SseEvent]) -> Bytes {
-    let mut out = BytesMut::new();
-    for e in events {
-        out.extend_from_slice(&e.bytes());
-    }
-    out.freeze()
-}
 
 fn policy() -> RetryPolicy {
     RetryPolicy::default()
@@ -38,26 +28,6 @@ fn layer(recorder: &Recorder) -> RetryLayer {
     RetryLayer::new()
         .policy(policy())
         .observer(recorder.clone())
-}
-
-/// Reads a body to its end, returning the bytes and the error it ended with, if any.
-async fn drain<B>(mut body: RetryBody<B>) -> (Bytes, Option<Error>)
-where
-    B: http_body::Body + Unpin,
-    B::Error: Into<tower_llm_retry::BoxError>,
-{
-    let mut out = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        match frame {
-            Ok(f) => {
-                if let Ok(d) = f.into_data() {
-                    out.extend_from_slice(&d);
-                }
-            }
-            Err(e) => return (out.freeze(), Some(e)),
-        }
-    }
-    (out.freeze(), None)
 }
 
 async fn send(

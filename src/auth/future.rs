@@ -21,7 +21,7 @@ use crate::retry::{HttpResponse, RetryBody};
 /// A bound on re-sends after rate limits, for sources that keep saying another key is free.
 const MAX_ROTATIONS: u32 = 16;
 
-type ResBodyOf<S> = <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
+use crate::retry::ResBodyOf;
 
 pin_project! {
     /// The response future of [`Auth`](super::Auth).

@@ -19,7 +19,7 @@ use crate::json_edit;
 use crate::retry::body::Peeked;
 use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 
-type ResBodyOf<S> = <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
+use crate::retry::ResBodyOf;
 
 pin_project! {
     /// The response future of [`ModelFallback`](super::ModelFallback).

@@ -48,7 +48,9 @@ mod sealed {
     }
 }
 
-type ResBodyOf<S> = <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
+/// The response body type of an inner service, named through [`HttpResponse`].
+pub(crate) type ResBodyOf<S> =
+    <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).

@@ -103,6 +103,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 pub use self::body::RetryBody;
+pub(crate) use self::future::ResBodyOf;
 pub use self::future::{HttpResponse, ResponseFuture};
 pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};

@@ -119,3 +119,34 @@ pub fn assert_only_value_changed(original: &[u8], sent: &[u8], key: &str, value:
 pub fn exact_policy() -> tower_llm_retry::RetryPolicy {
     tower_llm_retry::RetryPolicy::default().jitter(tower_llm_retry::retry::Jitter::none())
 }
+
+/// The bytes of a sequence of SSE events, as the server writes them.
+pub fn concat(events: &[tower_llm_retry::mock::SseEvent]) -> Bytes {
+    let mut out = bytes::BytesMut::new();
+    for e in events {
+        out.extend_from_slice(&e.bytes());
+    }
+    out.freeze()
+}
+
+/// Reads a body to its end, returning the bytes and the error it ended with, if any.
+pub async fn drain<B>(
+    mut body: tower_llm_retry::RetryBody<B>,
+) -> (Bytes, Option<tower_llm_retry::Error>)
+where
+    B: http_body::Body + Unpin,
+    B::Error: Into<tower_llm_retry::BoxError>,
+{
+    let mut out = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Ok(d) = f.into_data() {
+                    out.extend_from_slice(&d);
+                }
+            }
+            Err(e) => return (out.freeze(), Some(e)),
+        }
+    }
+    (out.freeze(), None)
+}
