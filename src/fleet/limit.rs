@@ -17,15 +17,16 @@ use crate::retry::ConfigError;
 /// has not come waits for it. The rate adapts the way TCP's window does: until the first
 /// refusal each success adds 1 request/s (slow start: the rate doubles every second of
 /// successes); after it each success adds `growth` request/s (the rate grows by `growth` of
-/// itself per second); a `429` or an overload multiplies it by `decrease`, once per round: a
-/// refusal of an attempt sent before the last decrease is not counted again.
+/// itself per second); a `429` or an overload multiplies it by `decrease` (by at most 0.5 for
+/// the first one, which ends slow start and its overshoot), once per round: a refusal of an
+/// attempt sent before the last decrease is not counted again.
 ///
 /// Why a rate and not a burst: a fleet whose requests start together comes back together,
 /// and a server's limiter (a token bucket, a window) refuses the part of each burst above its
 /// capacity even when the average is well within it. Evenly spaced attempts let the fleet
 /// settle at what the server admits.
 ///
-/// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.9; `growth` 0.05.
+/// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PacingConfig {
     initial: f64,
@@ -41,7 +42,7 @@ impl Default for PacingConfig {
             initial: 50.0,
             min: 1.0,
             max: 10_000.0,
-            decrease: 0.9,
+            decrease: 0.95,
             growth: 0.05,
         }
     }
@@ -71,7 +72,7 @@ impl PacingConfig {
         Ok(self)
     }
 
-    /// The factor a refusal multiplies the rate by, in `(0, 1)`. Defaults to 0.9.
+    /// The factor a refusal multiplies the rate by, in `(0, 1)`. Defaults to 0.95.
     pub fn decrease(mut self, factor: f64) -> Result<Self, ConfigError> {
         if !(factor > 0.0 && factor < 1.0) {
             return Err(ConfigError::new(format!(
@@ -229,8 +230,15 @@ impl Pacer {
             return;
         }
         s.epoch += 1;
+        // Leaving slow start, the rate has overshot by up to a round of doubling: halve it,
+        // as TCP does, before the gentle decreases take over.
+        let factor = if s.slow_start {
+            self.config.decrease.min(0.5)
+        } else {
+            self.config.decrease
+        };
         s.slow_start = false;
-        s.rate = (s.rate * self.config.decrease).max(self.config.min);
+        s.rate = (s.rate * factor).max(self.config.min);
     }
 }
 
