@@ -221,13 +221,14 @@ fn as_replay_body<B: 'static>(body: B) -> Result<ReplayBody, B> {
 }
 
 pin_project! {
-    /// Turns the caller's body into a [`ReplayBody`], for the layers that may send a request
-    /// more than once.
+    /// Turns the caller's body into a [`ReplayBody`], for every layer that may send a request
+    /// more than once (`RetryLayer` and the companion layers alike).
     ///
     /// A `ReplayBody` is taken as it is (inside `RetryLayer` its clones share one buffer). Any
-    /// other body is read into memory under `limit`, as `RetryLayer` does: one whose size hint
-    /// says up front that it is over the limit becomes a one-shot streaming body, and one that
-    /// only turns out too large while it is read fails with [`ErrorKind::BodyTooLarge`].
+    /// other body is read into memory under `limit`: one whose size hint says up front that it
+    /// is over the limit becomes a one-shot streaming body (not replayable, so sent once), and
+    /// one that only turns out too large while it is read fails with
+    /// [`ErrorKind::BodyTooLarge`].
     #[project = PrepareProj]
     pub(crate) enum PrepareBody<B>
     where

@@ -6,8 +6,6 @@ use std::time::Duration;
 
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
-use http_body_util::combinators::Collect;
-use http_body_util::{BodyExt, Limited};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::WaitForCancellationFutureOwned;
@@ -18,7 +16,7 @@ use super::body::{Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
-use crate::body::{body_error, ReplayBody, StreamingData};
+use crate::body::{PrepareBody, ReplayBody};
 use crate::classify::{Classification, Classify, FailureClass};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
@@ -77,7 +75,7 @@ pin_project! {
         B: Body,
         B::Error: Into<BoxError>,
     {
-        Buffering { #[pin] collect: Collect<Limited<B>> },
+        Buffering { #[pin] prepare: PrepareBody<B> },
         Passthrough { #[pin] future: F },
         Ready,
         Calling {
@@ -211,14 +209,13 @@ where
             );
         }
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
-        let over_cap = body.size_hint().lower() > config.body_limit as u64;
         let started = Instant::now();
         let deadline = policy_override
             .as_ref()
             .unwrap_or(&config.policy)
             .get_deadline()
             .and_then(|d| started.checked_add(d));
-        let mut ctx = Ctx {
+        let ctx = Ctx {
             service,
             config,
             policy_override: policy_override.map(Box::new),
@@ -236,19 +233,8 @@ where
             gate_passed: false,
             paced: None,
         };
-        let state = if over_cap {
-            // Too big to hold: send it once, as it streams, and never retry it.
-            let parts = ctx.parts.take().expect("parts are set above");
-            let req =
-                Request::from_parts(parts, ReplayBody::streaming(StreamingData { inner: body }));
-            State::Passthrough {
-                future: ctx.service.call(req),
-            }
-        } else {
-            let limit = ctx.config.body_limit;
-            State::Buffering {
-                collect: Limited::new(body, limit).collect(),
-            }
+        let state = State::Buffering {
+            prepare: PrepareBody::new(body, ctx.config.body_limit),
         };
         ResponseFuture { state, ctx }
     }
@@ -271,11 +257,15 @@ where
         let ctx = this.ctx;
         loop {
             match this.state.as_mut().project() {
-                StateProj::Buffering { collect } => match ready!(collect.poll(cx)) {
-                    Ok(collected) => {
-                        let trailers = collected.trailers().cloned();
-                        let data = collected.to_bytes();
-                        ctx.body = Some(ReplayBody::buffered(data, trailers));
+                StateProj::Buffering { prepare } => match ready!(prepare.poll(cx)) {
+                    Ok(body) if !body.is_replayable() => {
+                        // Too big to hold: send it once, as it streams, and never retry it.
+                        let parts = ctx.parts.take().expect("the request head is kept");
+                        let future = ctx.service.call(Request::from_parts(parts, body));
+                        this.state.set(State::Passthrough { future });
+                    }
+                    Ok(body) => {
+                        ctx.body = Some(body);
                         // Fleet: wait at the cooldown gate while it is closed.
                         if let Some(wait) = ctx.gate_wait() {
                             this.state.set(State::Gated {
@@ -295,7 +285,7 @@ where
                     }
                     Err(e) => {
                         this.state.set(State::Done);
-                        return Poll::Ready(Err(body_error(e)));
+                        return Poll::Ready(Err(e));
                     }
                 },
                 StateProj::Passthrough { future } => {
