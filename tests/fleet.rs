@@ -657,13 +657,16 @@ async fn a_429_slows_the_pacing_for_everyone_in_line() {
         .iter()
         .map(|d| (d.as_micros() + 500) / 1000)
         .collect();
-    // 0: refused. The turn already scheduled (100 ms) is kept; from there the line moves every
-    // 200 ms, and the refused request's retry, queued last, goes last. (Within the timer
-    // wheel's 1 ms.)
-    let want = [0, 100, 300, 500, 700];
+    // 0: refused. The turn already scheduled (100 ms) is kept; from there the line moves at
+    // 5/s, plus the default growth of 0.05/s for each success while others wait in line
+    // (after 100 ms and 300 ms), and the refused request's retry, queued last, goes last.
+    // (Within the timer wheel's 1 ms.)
+    let third: f64 = 300.0 + 1000.0 / 5.05;
+    let fourth = third + 1000.0 / 5.1;
+    let want = [0, 100, 300, third.round() as u128, fourth.round() as u128];
     assert_eq!(ms.len(), want.len());
     for (got, want) in ms.iter().zip(want) {
-        assert!(got.abs_diff(want) <= 1, "{ms:?}");
+        assert!(got.abs_diff(want) <= 1, "{ms:?} against {want:?}");
     }
 }
 
@@ -741,4 +744,93 @@ async fn a_short_retry_after_below_min_close_leaves_the_gate_open() {
         .map(|d| d.as_millis())
         .collect();
     assert_eq!(ms, [0, 1000, 2000]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_held_at_the_gate_leave_it_at_the_pacing_rate_not_at_once() {
+    // The first request is refused with Retry-After 2 s while five others wait in the pacing
+    // line. Those whose turn comes while the gate is closed do not keep it: when the gate
+    // reopens (no spread), all six go through the line again, one every 1 / rate.
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
+        .await
+        .unwrap();
+    let gate = GateConfig::new().spread(0.0, Duration::ZERO).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .cooldown_gate(Some(gate))
+                .pacing(Some(paced(10.0, 10.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        tokio::task::yield_now().await;
+    }
+    while let Some(j) = tasks.join_next().await {
+        assert_eq!(j.unwrap(), StatusCode::OK);
+    }
+    let got = arrivals(&server, origin);
+    assert_eq!(got.len(), 7, "{got:?}");
+    // Only the refused one went before the gate closed.
+    assert_eq!(got[0], Duration::ZERO);
+    assert!(got[1] >= Duration::from_secs(2), "{got:?}");
+    // After it, 1 / rate apart: the 429 halved the rate to 5/s; each success while others
+    // wait adds 0.05/s. (Within the timer wheel's millisecond.)
+    let mut rate = 5.0;
+    for pair in got[1..].windows(2) {
+        let gap = (pair[1] - pair[0]).as_secs_f64();
+        let want = 1.0 / rate;
+        assert!(
+            (gap - want).abs() <= 0.0011,
+            "{got:?}: {gap} against {want}"
+        );
+        rate += 0.05;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_while_waiting_in_the_pacing_line_ends_at_once() {
+    // At 1 request/s, the third in line would go at 2 s; the token fires at 300 ms.
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let token = CancellationToken::new();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .cancellation(token.clone())
+                .pacing(Some(paced(1.0, 1.0))),
+        )
+        .service(http_client());
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { (svc.oneshot(req).await.map_err(|e| e.kind()), Instant::now()) });
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    token.cancel();
+    let mut outcomes = Vec::new();
+    while let Some(j) = tasks.join_next().await {
+        let (outcome, at) = j.unwrap();
+        outcomes.push((outcome.map(|r| r.status()), at - start));
+    }
+    outcomes.sort_by_key(|(_, at)| *at);
+    // The first went at once; the two in line (the head waiting on the clock, the other
+    // queued behind it) end when the token fires, having sent nothing.
+    assert_eq!(outcomes[0], (Ok(StatusCode::OK), Duration::ZERO));
+    for waiting in &outcomes[1..] {
+        assert_eq!(
+            waiting,
+            &(Err(ErrorKind::Cancelled), Duration::from_millis(300))
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(server.request_count(), 1);
 }

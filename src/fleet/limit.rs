@@ -1,9 +1,10 @@
 //! Adaptive pacing: the rate at which the attempts of one layer are sent, learned from the
 //! server's answers (additive increase, multiplicative decrease, on a rate).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::{Mutex, PoisonError};
+use std::task::Waker;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -13,18 +14,34 @@ use crate::retry::ConfigError;
 /// Settings of the adaptive pacing shared by every service of one
 /// [`RetryLayer`](crate::RetryLayer).
 ///
-/// Attempts leave one after another, `1 / rate` apart, in arrival order; an attempt whose turn
-/// has not come waits for it. The rate adapts the way TCP's window does: until the first
-/// refusal each success adds 1 request/s (slow start: the rate doubles every second of
-/// successes); after it each success adds `growth` request/s (the rate grows by `growth` of
-/// itself per second); a `429` or an overload multiplies it by `decrease` (by at most 0.5 for
-/// the first one, which ends slow start and its overshoot), once per round: a refusal of an
-/// attempt sent before the last decrease is not counted again.
+/// Attempts leave one after another, `1 / rate` apart, in arrival order. Only the head of the
+/// line waits on the clock; the others are woken when the one ahead of them goes, so a change
+/// of rate reaches the whole line at once.
+///
+/// The rate adapts the way TCP's window does, and only while someone waits in line (a fleet
+/// that sends less than its rate has not shown that the server takes more):
+///
+/// - **Slow start**: until the first refusal, the rate doubles every second.
+/// - A `429` or an overload multiplies it by `decrease` (by at most 0.5 for the first one,
+///   which ends slow start and its overshoot), once per round: a refusal of an attempt sent
+///   before the last decrease is not counted again. After that, each success adds `growth`
+///   requests/s.
+/// - **Quotas**: a refusal whose `Retry-After` is 10 s or more speaks of a quota spent, to be
+///   renewed when the wait is over. The server took the `n` attempts sent since the last
+///   renewal and takes no more until the wait ends, so `n / (time since the renewal + wait)`
+///   is the rate that spends the quota evenly over its cycle. The rate falls to that, holds
+///   there through the wait and one whole cycle after it, then grows at most 25 % above it
+///   per cycle. A server that counts requests per window is then sent its quota spread over
+///   the window instead of in a burst at the window's start.
 ///
 /// Why a rate and not a burst: a fleet whose requests start together comes back together,
 /// and a server's limiter (a token bucket, a window) refuses the part of each burst above its
 /// capacity even when the average is well within it. Evenly spaced attempts let the fleet
 /// settle at what the server admits.
+///
+/// A pacing turn taken while the [cooldown gate](crate::fleet::GateConfig) was closing is
+/// spent: the attempt waits at the gate, then queues again, so the requests the gate held
+/// leave it at the pacing rate.
 ///
 /// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,16 +128,53 @@ struct State {
     serving: u64,
     /// Tickets whose holders left the line before their turn.
     abandoned: BTreeSet<u64>,
+    /// The holders behind the head of the line, woken when they reach it.
+    waiting: BTreeMap<u64, Waker>,
     /// Bumped by every decrease.
     epoch: u64,
     slow_start: bool,
+    /// Turns taken since `since` (the first turn, or the end of the last Retry-After), for
+    /// the rate a quota's Retry-After implies.
+    sent: u64,
+    since: Option<Instant>,
+    /// What the last quota signal taught, if any.
+    quota: Option<Quota>,
+    last_turn: Option<Instant>,
+}
+
+/// A quota learned from a long Retry-After: the rate it allows over its cycle.
+#[derive(Debug, Clone, Copy)]
+struct Quota {
+    rate: f64,
+    cycle: Duration,
+    /// No growth before this instant: one whole cycle at the quota's rate.
+    hold_until: Instant,
+}
+
+impl Quota {
+    /// The highest rate allowed at `now`: none during the hold, then 25 % above the quota's
+    /// rate, and 25 % more for each further cycle without a quota signal.
+    fn ceiling(&self, now: Instant) -> Option<f64> {
+        let past = now.checked_duration_since(self.hold_until)?;
+        let cycles = (past.as_secs_f64() / self.cycle.as_secs_f64()).floor();
+        Some(self.rate * QUOTA_GROWTH.powf(cycles.min(64.0) + 1.0))
+    }
 }
 
 impl State {
-    fn skip_abandoned(&mut self) {
+    /// Moves the head past tickets whose holders left, and takes the waker of the holder now
+    /// at the head, if it is waiting to be told.
+    fn settle(&mut self) -> Option<Waker> {
         while self.abandoned.remove(&self.serving) {
             self.serving += 1;
         }
+        self.waiting.remove(&self.serving)
+    }
+
+    /// Whether anyone holds a ticket not yet served: the pacing, not the demand, is what
+    /// limits the sending.
+    fn has_line(&self) -> bool {
+        self.next_ticket > self.serving
     }
 }
 
@@ -144,8 +198,10 @@ impl fmt::Debug for Pacer {
 pub(crate) enum Turn {
     /// Go now; the attempt belongs to this epoch.
     Go(u64),
-    /// Not yet: look again at this instant (a later estimate if the rate fell meanwhile).
+    /// At the head of the line: go at this instant (look again then).
     Wait(Instant),
+    /// Behind others: the waker given is woken when this ticket reaches the head.
+    Queued,
 }
 
 impl Pacer {
@@ -158,8 +214,13 @@ impl Pacer {
                 next_ticket: 0,
                 serving: 0,
                 abandoned: BTreeSet::new(),
+                waiting: BTreeMap::new(),
                 epoch: 0,
                 slow_start: true,
+                sent: 0,
+                since: None,
+                quota: None,
+                last_turn: None,
             }),
         }
     }
@@ -186,45 +247,109 @@ impl Pacer {
     }
 
     /// Whether `ticket`'s turn has come. Turns are `1 / rate` apart and taken in ticket
-    /// order; a waiter's estimate follows the current rate, so a slowdown reaches the whole
-    /// line at once rather than only those who arrive after it.
-    pub(crate) fn poll_turn(&self, ticket: u64) -> Turn {
+    /// order. Only the head of the line waits on the clock, for the instant the current rate
+    /// gives; the others wait to be woken when the one ahead of them goes, so a change of
+    /// rate reaches the whole line at once and the line moves at the rate of the moment.
+    pub(crate) fn poll_turn(&self, ticket: u64, waker: &Waker) -> Turn {
         let now = Instant::now();
         let mut s = self.lock();
-        s.skip_abandoned();
-        let gap = Duration::from_secs_f64(1.0 / s.rate);
-        let head = s.next_time.map_or(now, |t| t.max(now));
-        if ticket <= s.serving && head <= now {
-            s.serving = s.serving.max(ticket) + 1;
-            s.next_time = Some(head + gap);
-            return Turn::Go(s.epoch);
+        let head_waker = s.settle();
+        let turn = if ticket <= s.serving {
+            let gap = Duration::from_secs_f64(1.0 / s.rate);
+            // Turns keep to their schedule even when taken a little late (a timer fires on a
+            // millisecond), so the average rate is the rate; after a quiet spell longer than
+            // a gap the schedule starts again from now.
+            let head = match s.next_time {
+                Some(t) if t + gap > now => t,
+                _ => now,
+            };
+            if head <= now {
+                // Slow start: while the line is longer than the rate lets through and no
+                // refusal has come, the rate doubles every second.
+                if s.slow_start && s.next_ticket > ticket + 1 {
+                    if let Some(last) = s.last_turn {
+                        let dt = now
+                            .saturating_duration_since(last)
+                            .min(Duration::from_secs(1));
+                        s.rate = (s.rate * dt.as_secs_f64().exp2()).min(self.config.max);
+                    }
+                }
+                s.last_turn = Some(now);
+                s.serving = s.serving.max(ticket) + 1;
+                s.next_time = Some(head + Duration::from_secs_f64(1.0 / s.rate));
+                s.sent += 1;
+                s.since.get_or_insert(now);
+                Turn::Go(s.epoch)
+            } else {
+                Turn::Wait(head)
+            }
+        } else {
+            match s.waiting.get_mut(&ticket) {
+                Some(w) => w.clone_from(waker),
+                None => {
+                    s.waiting.insert(ticket, waker.clone());
+                }
+            }
+            Turn::Queued
+        };
+        let next = match turn {
+            Turn::Go(_) => s.settle(),
+            _ => None,
+        };
+        drop(s);
+        for w in [head_waker, next].into_iter().flatten() {
+            w.wake();
         }
-        let ahead = ticket.saturating_sub(s.serving) as u32;
-        Turn::Wait(head + gap * ahead)
+        turn
     }
 
     /// The holder of `ticket` left the line before its turn.
     pub(crate) fn abandon(&self, ticket: u64) {
         let mut s = self.lock();
-        if ticket >= s.serving {
-            s.abandoned.insert(ticket);
-            s.skip_abandoned();
+        s.waiting.remove(&ticket);
+        if ticket < s.serving {
+            return;
+        }
+        s.abandoned.insert(ticket);
+        let head = s.settle();
+        drop(s);
+        if let Some(w) = head {
+            w.wake();
         }
     }
 
-    /// A success.
+    /// A success. The rate grows only while someone is waiting in line (a fleet that sends
+    /// less than its rate has not shown that the server takes more), and after a quota signal
+    /// only as its ceiling allows.
     pub(crate) fn on_success(&self) {
         let mut s = self.lock();
-        let step = if s.slow_start {
-            1.0
-        } else {
-            self.config.growth
+        if !s.has_line() {
+            return;
+        }
+        let ceiling = match s.quota {
+            Some(q) => match q.ceiling(Instant::now()) {
+                Some(c) => c.min(self.config.max),
+                None => return,
+            },
+            None => self.config.max,
         };
-        s.rate = (s.rate + step).min(self.config.max);
+        if !s.slow_start && s.rate < ceiling {
+            s.rate = (s.rate + self.config.growth).min(ceiling);
+        }
     }
 
-    /// A refusal (`429`, `529`, an overload) of an attempt sent in `epoch`.
-    pub(crate) fn on_refusal(&self, epoch: u64) {
+    /// A refusal (`429`, `529`, an overload) of an attempt sent in `epoch`, with the server's
+    /// Retry-After if it gave one.
+    ///
+    /// A long Retry-After says more than "slower": it is a quota spent, to be renewed when
+    /// the wait is over. The server took the `sent` attempts since the last renewal and takes
+    /// no more for `retry_after`, so `sent / (elapsed + retry_after)` is the rate that spends
+    /// the quota evenly over its cycle. The rate falls to that (when lower than the usual
+    /// decrease) and holds there for one whole cycle after the renewal, then grows at most
+    /// 25 % above it per cycle: a server that counts a quota per window is sent its quota
+    /// spread over the window instead of in a burst at the window's start.
+    pub(crate) fn on_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
+        let now = Instant::now();
         let mut s = self.lock();
         if epoch < s.epoch {
             return;
@@ -238,13 +363,38 @@ impl Pacer {
             self.config.decrease
         };
         s.slow_start = false;
-        s.rate = (s.rate * factor).max(self.config.min);
+        let mut rate = s.rate * factor;
+        let wait = retry_after.unwrap_or_default().min(MAX_INFORMED_WAIT);
+        // A short Retry-After (a token bucket's next token, rounded up to a second) is no quota.
+        if let Some(since) = s.since.filter(|_| wait >= MIN_INFORMED_WAIT) {
+            let cycle = now.saturating_duration_since(since) + wait;
+            let informed = s.sent as f64 / cycle.as_secs_f64();
+            rate = rate.min(informed);
+            s.quota = Some(Quota {
+                rate: informed.max(self.config.min),
+                cycle,
+                hold_until: now + wait + cycle,
+            });
+        }
+        s.sent = 0;
+        s.since = Some(now + wait);
+        s.rate = rate.clamp(self.config.min, self.config.max);
     }
 }
+
+/// The shortest Retry-After that informs the rate.
+const MIN_INFORMED_WAIT: Duration = Duration::from_secs(10);
+/// The longest Retry-After taken into the rate it implies.
+const MAX_INFORMED_WAIT: Duration = Duration::from_secs(300);
+/// How much the rate may grow per quota cycle after a quota signal.
+const QUOTA_GROWTH: f64 = 1.25;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::Wake;
 
     #[test]
     fn validation() {
@@ -258,47 +408,125 @@ mod tests {
         assert!(PacingConfig::new().growth(2.0).is_err());
     }
 
+    /// A waker that counts how often it was woken.
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counting() -> (Arc<Count>, Waker) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (count.clone(), Waker::from(count))
+    }
+
+    fn woken(c: &Count) -> usize {
+        c.0.load(Ordering::SeqCst)
+    }
+
+    fn fixed(rate: f64) -> Pacer {
+        Pacer::new(PacingConfig::new().rates(rate, 1.0, rate).unwrap())
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn turns_are_spaced_by_the_rate_in_ticket_order() {
-        let p = Pacer::new(PacingConfig::new().rates(10.0, 1.0, 100.0).unwrap());
+    async fn only_the_head_waits_on_the_clock_and_the_next_is_woken_when_it_goes() {
+        let p = fixed(10.0);
         let t0 = Instant::now();
         let tickets: Vec<_> = (0..4).map(|_| p.ticket()).collect();
-        // The first goes at once; the others are told when to look again.
-        assert_eq!(p.poll_turn(tickets[0]), Turn::Go(0));
+        let wakers: Vec<_> = (0..4).map(|_| counting()).collect();
+        assert_eq!(p.poll_turn(tickets[0], &wakers[0].1), Turn::Go(0));
+        // Behind the head: queued, no instant to wait for.
+        assert_eq!(p.poll_turn(tickets[2], &wakers[2].1), Turn::Queued);
+        // The head waits for its instant, 1 / rate after the last turn.
         assert_eq!(
-            p.poll_turn(tickets[2]),
-            Turn::Wait(t0 + Duration::from_millis(200))
-        );
-        assert_eq!(
-            p.poll_turn(tickets[1]),
+            p.poll_turn(tickets[1], &wakers[1].1),
             Turn::Wait(t0 + Duration::from_millis(100))
         );
         tokio::time::advance(Duration::from_millis(100)).await;
-        // Not ticket 2's turn while ticket 1 has not gone.
-        assert!(matches!(p.poll_turn(tickets[2]), Turn::Wait(_)));
-        assert_eq!(p.poll_turn(tickets[1]), Turn::Go(0));
-        // Ticket 2 leaves the line: ticket 3 moves up.
+        assert_eq!(p.poll_turn(tickets[2], &wakers[2].1), Turn::Queued);
+        assert_eq!(woken(&wakers[2].0), 0);
+        assert_eq!(p.poll_turn(tickets[1], &wakers[1].1), Turn::Go(0));
+        // Ticket 2 is now the head and was told so, once.
+        assert_eq!(woken(&wakers[2].0), 1);
+        assert_eq!(p.poll_turn(tickets[3], &wakers[3].1), Turn::Queued);
+        // Ticket 2 leaves the line before its turn: ticket 3 is the head, and is woken.
         p.abandon(tickets[2]);
+        assert_eq!(woken(&wakers[3].0), 1);
+        assert_eq!(
+            p.poll_turn(tickets[3], &wakers[3].1),
+            Turn::Wait(t0 + Duration::from_millis(200))
+        );
         tokio::time::advance(Duration::from_millis(100)).await;
-        assert_eq!(p.poll_turn(tickets[3]), Turn::Go(0));
-        // A slowdown pushes back the estimate of everyone in line.
-        let t = p.ticket();
-        let behind = p.ticket();
-        let before = p.poll_turn(behind);
-        p.on_refusal(0);
-        let after = p.poll_turn(behind);
-        match (before, after) {
-            (Turn::Wait(b), Turn::Wait(a)) => assert!(a > b),
-            other => panic!("{other:?}"),
+        assert_eq!(p.poll_turn(tickets[3], &wakers[3].1), Turn::Go(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn turns_keep_their_schedule_when_taken_a_little_late() {
+        let p = fixed(300.0);
+        let t0 = Instant::now();
+        let gap = Duration::from_secs_f64(1.0 / 300.0);
+        let (_, w) = counting();
+        let first = p.ticket();
+        let second = p.ticket();
+        assert_eq!(p.poll_turn(first, &w), Turn::Go(0));
+        // The timer fires on the millisecond, a little after the turn's instant; the turn
+        // after is still one gap after the instant, not after the late wake-up.
+        tokio::time::advance(Duration::from_millis(4)).await;
+        assert_eq!(p.poll_turn(second, &w), Turn::Go(0));
+        let third = p.ticket();
+        assert_eq!(p.poll_turn(third, &w), Turn::Wait(t0 + gap * 2));
+        // After a quiet spell longer than a gap, the schedule starts again from now.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(p.poll_turn(third, &w), Turn::Go(0));
+        let fourth = p.ticket();
+        assert_eq!(
+            p.poll_turn(fourth, &w),
+            Turn::Wait(t0 + Duration::from_millis(1004) + gap)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_doubles_every_second_of_line_and_ends_halving_at_a_refusal() {
+        let p = Pacer::new(PacingConfig::new().rates(10.0, 1.0, 1_000.0).unwrap());
+        let (_, w) = counting();
+        // A line of many: each turn after the first doubles the rate by 2^(time since the
+        // last turn).
+        let tickets: Vec<_> = (0..100).map(|_| p.ticket()).collect();
+        assert_eq!(p.poll_turn(tickets[0], &w), Turn::Go(0));
+        for &t in &tickets[1..11] {
+            let Turn::Wait(at) = p.poll_turn(t, &w) else {
+                panic!("the head waits for its instant");
+            };
+            tokio::time::advance(at - Instant::now()).await;
+            assert_eq!(p.poll_turn(t, &w), Turn::Go(0));
         }
-        // After a quiet spell, the head of the line goes at once, and the next waits its gap.
-        tokio::time::advance(Duration::from_secs(5)).await;
-        assert_eq!(p.poll_turn(t), Turn::Go(1));
-        assert!(matches!(p.poll_turn(behind), Turn::Wait(_)));
+        // Ten turns, each 1 / rate apart: the rate doubled for each second that passed.
+        let mut want = 10.0f64;
+        for _ in 0..10 {
+            want *= (1.0 / want).exp2();
+        }
+        let rate = p.rate();
+        assert!((rate - want).abs() < 1e-6, "{rate} against {want}");
+        // Successes do not add to slow start's doubling.
+        p.on_success();
+        assert_eq!(p.rate(), rate);
+        // The first refusal halves it and ends slow start.
+        p.on_refusal(0, None);
+        assert_eq!(p.rate(), rate * 0.5);
+        // Growth is then the configured step per success, while anyone waits in line.
+        p.on_success();
+        assert_eq!(p.rate(), rate * 0.5 + 0.05);
+        // Attempts sent before that decrease do not count again; later ones do, by 0.95.
+        p.on_refusal(0, None);
+        assert_eq!(p.rate(), rate * 0.5 + 0.05);
+        p.on_refusal(1, None);
+        assert!((p.rate() - (rate * 0.5 + 0.05) * 0.95).abs() < 1e-9);
     }
 
     #[test]
-    fn increase_and_decrease() {
+    fn the_rate_grows_only_while_someone_waits_in_line() {
         let p = Pacer::new(
             PacingConfig::new()
                 .rates(10.0, 2.0, 12.0)
@@ -308,23 +536,85 @@ mod tests {
                 .growth(0.5)
                 .unwrap(),
         );
-        // Slow start: one request/s per success, up to the maximum.
-        for _ in 0..5 {
+        let (_, w) = counting();
+        p.on_refusal(0, None);
+        assert_eq!(p.rate(), 5.0);
+        // Nobody in line: the fleet sends less than its rate, which proves nothing.
+        p.on_success();
+        assert_eq!(p.rate(), 5.0);
+        let _a = p.ticket();
+        let b = p.ticket();
+        assert_eq!(p.poll_turn(b, &w), Turn::Queued);
+        p.on_success();
+        assert_eq!(p.rate(), 5.5);
+        // Never above max, never below min.
+        for _ in 0..100 {
             p.on_success();
         }
         assert_eq!(p.rate(), 12.0);
-        p.on_refusal(0);
-        assert_eq!(p.rate(), 6.0);
-        // Attempts sent before that decrease do not count again.
-        p.on_refusal(0);
-        assert_eq!(p.rate(), 6.0);
-        // Then growth is the configured step.
-        p.on_success();
-        assert_eq!(p.rate(), 6.5);
-        // Never below min.
         for e in 1..=10 {
-            p.on_refusal(e);
+            p.on_refusal(e, None);
         }
         assert_eq!(p.rate(), 2.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quota_retry_after_sets_the_rate_that_spreads_it_and_holds_it_a_cycle() {
+        let p = Pacer::new(PacingConfig::new().rates(500.0, 1.0, 500.0).unwrap());
+        let (_, w) = counting();
+        let t0 = Instant::now();
+        // 6,000 turns in 12 s (at 500/s), then a 429 whose Retry-After is 48 s: the quota is
+        // spent and renews at 60 s.
+        let mut last = None;
+        for _ in 0..6_000 {
+            let t = p.ticket();
+            loop {
+                match p.poll_turn(t, &w) {
+                    Turn::Go(e) => break last = Some(e),
+                    Turn::Wait(at) => tokio::time::advance(at - Instant::now()).await,
+                    Turn::Queued => unreachable!("one ticket at a time"),
+                }
+            }
+        }
+        let elapsed = Instant::now() - t0;
+        assert!(elapsed.as_secs_f64() > 11.99 && elapsed.as_secs_f64() < 12.0);
+        p.on_refusal(last.unwrap(), Some(Duration::from_secs(48)));
+        let cycle = elapsed + Duration::from_secs(48);
+        let quota = 6_000.0 / cycle.as_secs_f64();
+        assert!((p.rate() - quota).abs() < 1e-9, "{}", p.rate());
+        // Someone waits in line, yet the rate holds through the wait and one cycle after it.
+        let _a = p.ticket();
+        let b = p.ticket();
+        assert_eq!(p.poll_turn(b, &w), Turn::Queued);
+        tokio::time::advance(Duration::from_secs(48) + cycle - Duration::from_millis(1)).await;
+        p.on_success();
+        assert!((p.rate() - quota).abs() < 1e-9);
+        // Then it grows, up to 25 % above the quota's rate in the next cycle.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        for _ in 0..10_000 {
+            p.on_success();
+        }
+        assert!((p.rate() - quota * 1.25).abs() < 1e-9, "{}", p.rate());
+        // And 25 % more in the cycle after that.
+        tokio::time::advance(cycle).await;
+        for _ in 0..10_000 {
+            p.on_success();
+        }
+        assert!(
+            (p.rate() - quota * 1.25 * 1.25).abs() < 1e-6,
+            "{}",
+            p.rate()
+        );
+    }
+
+    #[test]
+    fn a_short_retry_after_is_no_quota() {
+        let p = fixed(100.0);
+        let (_, w) = counting();
+        let t = p.ticket();
+        assert_eq!(p.poll_turn(t, &w), Turn::Go(0));
+        p.on_refusal(0, Some(Duration::from_secs(1)));
+        // Only the halving that ends slow start.
+        assert_eq!(p.rate(), 50.0);
     }
 }

@@ -15,9 +15,11 @@
 //!   over a window once it reopens. An open gate costs a request one atomic load.
 //! - **Adaptive pacing** ([`PacingConfig`], off by default): attempts leave evenly spaced, in
 //!   arrival order, at a rate learned from the answers: slow start until the first refusal,
-//!   then a small increase per success and a multiplicative decrease per `429` or overload.
-//!   A fleet whose requests start together otherwise comes back together, and a server's
-//!   limiter refuses the part of every burst above its capacity even when the average fits.
+//!   then a small increase per success and a multiplicative decrease per `429` or overload;
+//!   a long `Retry-After` is read as a quota and sets the rate that spreads it over its
+//!   cycle. A fleet whose requests start together otherwise comes back together, and a
+//!   server's limiter refuses the part of every burst above its capacity even when the
+//!   average fits.
 //!
 //! The state lives in an `Arc` created when the layer is built: the services a layer makes,
 //! and their clones, share it; two layers built separately do not.
@@ -58,11 +60,14 @@ mod gate;
 mod limit;
 pub mod ratelimit;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::StatusCode;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
@@ -121,6 +126,7 @@ impl Fleet {
             fleet: self.clone(),
             n,
             served: false,
+            sleep: None,
         })
     }
 
@@ -132,9 +138,9 @@ impl Fleet {
     }
 
     /// An attempt sent in `epoch` was refused for load.
-    pub(crate) fn paced_refusal(&self, epoch: u64) {
+    pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
         if let Some(p) = &self.pacer {
-            p.on_refusal(epoch);
+            p.on_refusal(epoch, retry_after);
         }
     }
 
@@ -188,23 +194,39 @@ pub(crate) struct Ticket {
     fleet: Arc<Fleet>,
     n: u64,
     served: bool,
+    // The head of the line waits for its instant; allocated only then.
+    sleep: Option<Pin<Box<Sleep>>>,
 }
 
 impl Ticket {
-    /// `Ok(epoch)` when the turn has come (the ticket is then used up), or the instant to look
-    /// again.
-    pub(crate) fn poll_turn(&mut self) -> Result<u64, Instant> {
+    /// Ready with the pacing epoch once the turn has come (the ticket is then used up).
+    pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<u64> {
         let pacer = self
             .fleet
             .pacer
             .as_ref()
             .expect("tickets come from a pacer");
-        match pacer.poll_turn(self.n) {
-            Turn::Go(epoch) => {
-                self.served = true;
-                Ok(epoch)
+        loop {
+            match pacer.poll_turn(self.n, cx.waker()) {
+                Turn::Go(epoch) => {
+                    self.served = true;
+                    self.sleep = None;
+                    return Poll::Ready(epoch);
+                }
+                Turn::Queued => return Poll::Pending,
+                Turn::Wait(at) => {
+                    let sleep = match &mut self.sleep {
+                        Some(sleep) => {
+                            if sleep.deadline() != at {
+                                sleep.as_mut().reset(at);
+                            }
+                            sleep
+                        }
+                        None => self.sleep.insert(Box::pin(tokio::time::sleep_until(at))),
+                    };
+                    std::task::ready!(sleep.as_mut().poll(cx));
+                }
             }
-            Turn::Wait(at) => Err(at),
         }
     }
 }

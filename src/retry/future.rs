@@ -93,7 +93,10 @@ pin_project! {
         // Fleet: waiting at the closed cooldown gate before an attempt.
         Gated { wait: Pin<Box<GateWait>> },
         // Fleet: waiting for this attempt's turn of the adaptive pacing.
-        Pacing { sleep: Pin<Box<Sleep>>, ticket: Ticket },
+        Pacing {
+            ticket: Ticket,
+            cancel: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+        },
         Done,
     }
 }
@@ -274,8 +277,9 @@ where
                             continue;
                         }
                         // Fleet: wait for this attempt's turn of the pacing.
-                        if let Some((sleep, ticket)) = ctx.take_turn() {
-                            this.state.set(State::Pacing { sleep, ticket });
+                        if let Some(ticket) = ctx.take_turn() {
+                            let cancel = ctx.cancel_wait();
+                            this.state.set(State::Pacing { ticket, cancel });
                             continue;
                         }
                         // The service was polled ready before `call`; the first attempt
@@ -302,16 +306,20 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
-                    // Fleet: wait at the cooldown gate while it is closed.
+                    // Fleet: wait at the cooldown gate while it is closed. A pacing turn taken
+                    // before it closed is spent: the attempt queues again after the wait, or
+                    // everyone held would leave the gate at once.
                     if let Some(wait) = ctx.gate_wait() {
+                        ctx.paced = None;
                         this.state.set(State::Gated {
                             wait: Box::pin(wait),
                         });
                         continue;
                     }
                     // Fleet: wait for this attempt's turn of the pacing.
-                    if let Some((sleep, ticket)) = ctx.take_turn() {
-                        this.state.set(State::Pacing { sleep, ticket });
+                    if let Some(ticket) = ctx.take_turn() {
+                        let cancel = ctx.cancel_wait();
+                        this.state.set(State::Pacing { ticket, cancel });
                         continue;
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
@@ -532,20 +540,17 @@ where
                     this.state.set(State::Ready);
                 }
                 // Fleet: this attempt's turn came; go through Ready to poll the service ready.
-                StateProj::Pacing { sleep, ticket } => {
-                    if ctx.is_cancelled() {
+                StateProj::Pacing { ticket, cancel } => {
+                    let cancelled = match cancel.as_mut() {
+                        Some(c) => c.as_mut().poll(cx).is_ready(),
+                        None => false,
+                    };
+                    if cancelled {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
-                    ready!(sleep.as_mut().poll(cx));
-                    match ticket.poll_turn() {
-                        Ok(epoch) => {
-                            ctx.paced = Some(epoch);
-                            this.state.set(State::Ready);
-                        }
-                        // The line moved slower than estimated: look again later.
-                        Err(at) => sleep.as_mut().reset(at),
-                    }
+                    ctx.paced = Some(ready!(ticket.poll_turn(cx)));
+                    this.state.set(State::Ready);
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -814,12 +819,16 @@ where
         self.attempt += 1;
         State::Sleeping {
             sleep: Box::pin(tokio::time::sleep(delay)),
-            cancel: self
-                .config
-                .cancel
-                .clone()
-                .map(|t| Box::pin(t.cancelled_owned())),
+            cancel: self.cancel_wait(),
         }
+    }
+
+    /// The caller's cancellation, as a future to wait on beside a wait of the loop's own.
+    fn cancel_wait(&self) -> Option<Pin<Box<WaitForCancellationFutureOwned>>> {
+        self.config
+            .cancel
+            .clone()
+            .map(|t| Box::pin(t.cancelled_owned()))
     }
 
     /// Builds the response handed to the caller, with the trail when any attempt failed.
@@ -872,27 +881,18 @@ where
         Ok(delay)
     }
 
-    /// Fleet: takes the next attempt's turn of the pacing (unless it has one, or there is no
-    /// pacing), returning the wait and the place in line when the turn is not now.
-    fn take_turn(&mut self) -> Option<(Pin<Box<Sleep>>, Ticket)> {
+    /// Fleet: a place in the pacing line for the next attempt, unless it already had its
+    /// turn or there is no pacing.
+    fn take_turn(&mut self) -> Option<Ticket> {
         if self.paced.is_some() {
             return None;
         }
-        let mut ticket = self.config.fleet.ticket()?;
-        match ticket.poll_turn() {
-            Ok(epoch) => {
-                self.paced = Some(epoch);
-                None
-            }
-            Err(at) => {
-                tracing::trace!(
-                    rate = self.config.fleet.pacing_rate(),
-                    wait_ms = at.saturating_duration_since(Instant::now()).as_millis() as u64,
-                    "waiting for a pacing turn"
-                );
-                Some((Box::pin(tokio::time::sleep_until(at)), ticket))
-            }
-        }
+        let ticket = self.config.fleet.ticket()?;
+        tracing::trace!(
+            rate = self.config.fleet.pacing_rate(),
+            "waiting for a pacing turn"
+        );
+        Some(ticket)
     }
 
     /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
@@ -942,7 +942,7 @@ where
         // Fleet: a refusal for load slows the pacing.
         if let Some(epoch) = self.paced.take() {
             if matches!(class, FailureClass::RateLimited | FailureClass::Overloaded) {
-                self.config.fleet.paced_refusal(epoch);
+                self.config.fleet.paced_refusal(epoch, c.retry_after());
             }
         }
         self.note_class(Some(class));
