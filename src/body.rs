@@ -9,8 +9,8 @@ use std::task::{ready, Context, Poll};
 use bytes::{Buf, Bytes};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::{Collect, UnsyncBoxBody};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{LengthLimitError, Limited};
 use pin_project_lite::pin_project;
 use sync_wrapper::SyncWrapper;
 
@@ -236,7 +236,15 @@ pin_project! {
         B::Error: Into<BoxError>,
     {
         Ready { body: Option<ReplayBody> },
-        Collecting { #[pin] collect: Collect<Limited<B>> },
+        Collecting {
+            #[pin] body: Limited<B>,
+            // The first data frame; a body sent as one frame (`Full`, hyper's small bodies)
+            // becomes the buffer as it is, with no copy and no allocation.
+            first: Option<Bytes>,
+            // Any further frames, joined into one buffer (one copy) at the end.
+            rest: Vec<Bytes>,
+            trailers: Option<HeaderMap>,
+        },
     }
 }
 
@@ -253,7 +261,10 @@ where
                 body: Some(ReplayBody::streaming(StreamingData { inner: body })),
             },
             Err(body) => PrepareBody::Collecting {
-                collect: Limited::new(body, limit).collect(),
+                body: Limited::new(body, limit),
+                first: None,
+                rest: Vec::new(),
+                trailers: None,
             },
         }
     }
@@ -271,15 +282,61 @@ where
             PrepareProj::Ready { body } => Poll::Ready(Ok(body
                 .take()
                 .expect("PrepareBody polled after completion"))),
-            PrepareProj::Collecting { collect } => match ready!(collect.poll(cx)) {
-                Ok(collected) => {
-                    let trailers = collected.trailers().cloned();
-                    Poll::Ready(Ok(ReplayBody::buffered(collected.to_bytes(), trailers)))
+            PrepareProj::Collecting {
+                mut body,
+                first,
+                rest,
+                trailers,
+            } => loop {
+                let frame = match ready!(body.as_mut().poll_frame(cx)) {
+                    Some(Ok(frame)) => frame,
+                    Some(Err(e)) => return Poll::Ready(Err(body_error(e))),
+                    None => {
+                        let data = join(first.take(), std::mem::take(rest));
+                        return Poll::Ready(Ok(ReplayBody::buffered(data, trailers.take())));
+                    }
+                };
+                match frame.into_data() {
+                    Ok(mut data) => {
+                        let data = data.copy_to_bytes(data.remaining());
+                        if data.is_empty() {
+                            continue;
+                        }
+                        match first {
+                            None => *first = Some(data),
+                            Some(_) => rest.push(data),
+                        }
+                    }
+                    Err(frame) => {
+                        if let Ok(t) = frame.into_trailers() {
+                            match trailers {
+                                Some(held) => held.extend(t),
+                                None => *trailers = Some(t),
+                            }
+                        }
+                    }
                 }
-                Err(e) => Poll::Ready(Err(body_error(e))),
             },
         }
     }
+}
+
+/// The frames of a body as one buffer: the first as it is when it is the only one, else all
+/// of them copied once into a buffer of the exact size.
+fn join(first: Option<Bytes>, rest: Vec<Bytes>) -> Bytes {
+    let Some(first) = first else {
+        return Bytes::new();
+    };
+    if rest.is_empty() {
+        return first;
+    }
+    let len = first.len() + rest.iter().map(Bytes::len).sum::<usize>();
+    let mut buf = bytes::BytesMut::with_capacity(len);
+    buf.extend_from_slice(&first);
+    for chunk in &rest {
+        buf.extend_from_slice(chunk);
+    }
+    buf.freeze()
 }
 
 /// The error for a request body that could not be buffered.
