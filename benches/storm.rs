@@ -88,6 +88,9 @@ enum Scenario {
     S1,
     S2,
     S4,
+    /// S2 with the rate-limit headers real APIs send on every answer. Not one of the
+    /// scenarios of `storm.json`: reported beside it.
+    S2Headers,
 }
 
 impl Scenario {
@@ -97,13 +100,14 @@ impl Scenario {
         match self {
             Scenario::S1 => "S1",
             Scenario::S2 => "S2",
+            Scenario::S2Headers => "S2 + headers",
             Scenario::S4 => "S4",
         }
     }
 
     fn seconds(self) -> u64 {
         match self {
-            Scenario::S1 | Scenario::S2 => 600,
+            Scenario::S1 | Scenario::S2 | Scenario::S2Headers => 600,
             Scenario::S4 => 240,
         }
     }
@@ -112,7 +116,7 @@ impl Scenario {
     /// offered load.
     fn capacity(self) -> f64 {
         match self {
-            Scenario::S1 | Scenario::S2 => 100.0,
+            Scenario::S1 | Scenario::S2 | Scenario::S2Headers => 100.0,
             Scenario::S4 => 500.0,
         }
     }
@@ -176,6 +180,8 @@ struct Reply {
     status: StatusCode,
     retry_after: Option<u64>,
     latency: Duration,
+    /// S2 + headers: the limit, what remains of it, and the time to the reset.
+    limits: Option<(u32, u32, Duration)>,
 }
 
 impl Reply {
@@ -184,6 +190,7 @@ impl Reply {
             status: StatusCode::OK,
             retry_after: None,
             latency: SUCCESS_LATENCY,
+            limits: None,
         }
     }
 
@@ -192,6 +199,7 @@ impl Reply {
             status,
             retry_after,
             latency: ERROR_LATENCY,
+            limits: None,
         }
     }
 
@@ -206,8 +214,9 @@ struct Stats {
     first_attempts: Vec<u32>,
     successes: Vec<u32>,
     outage_retries: u64,
-    /// The second of the first refusal, if any.
+    /// The second of the first refusal, if any, and how many there were.
     first_refusal: Option<usize>,
+    refusals: u64,
     per_client: Vec<u32>,
     latencies: Vec<f64>,
     logical: u64,
@@ -229,7 +238,7 @@ impl Sim {
                 tokens: 100.0,
                 at: start,
             },
-            Scenario::S2 => Limiter::Window {
+            Scenario::S2 | Scenario::S2Headers => Limiter::Window {
                 started: start,
                 used: 0,
             },
@@ -273,7 +282,9 @@ impl Sim {
         }
         let reply = self.limit(now);
         if !reply.is_success() {
-            self.stats.lock().unwrap().first_refusal.get_or_insert(sec);
+            let mut stats = self.stats.lock().unwrap();
+            stats.first_refusal.get_or_insert(sec);
+            stats.refusals += 1;
         }
         reply
     }
@@ -302,13 +313,17 @@ impl Sim {
                     *started += WINDOW;
                     *used = 0;
                 }
-                if *used < QUOTA {
+                let mut reply = if *used < QUOTA {
                     *used += 1;
                     Reply::ok()
                 } else {
                     let reset = (*started + WINDOW - now).as_secs_f64().ceil().max(1.0) as u64;
                     Reply::refused(StatusCode::TOO_MANY_REQUESTS, Some(reset))
+                };
+                if self.scenario == Scenario::S2Headers {
+                    reply.limits = Some((QUOTA, QUOTA - *used, *started + WINDOW - now));
                 }
+                reply
             }
             Limiter::Outage if self.in_outage(now) => {
                 Reply::refused(StatusCode::SERVICE_UNAVAILABLE, None)
@@ -398,6 +413,17 @@ impl Future for SimFuture {
         if let Some(secs) = self.reply.retry_after {
             res.headers_mut()
                 .insert(http::header::RETRY_AFTER, secs.into());
+        }
+        if let Some((limit, remaining, reset)) = self.reply.limits {
+            // OpenAI's names and formats (`x-ratelimit-reset-requests: 52.8s`).
+            let h = res.headers_mut();
+            h.insert("x-ratelimit-limit-requests", limit.into());
+            h.insert("x-ratelimit-remaining-requests", remaining.into());
+            let reset = format!("{:.3}s", reset.as_secs_f64());
+            h.insert(
+                "x-ratelimit-reset-requests",
+                http::HeaderValue::from_str(&reset).expect("a valid header value"),
+            );
         }
         Poll::Ready(Ok(res))
     }
@@ -594,6 +620,7 @@ struct Outcome {
     /// The peak attempts in any whole second after the one of the first refusal, over the
     /// capacity: what the policy does once the server has said something.
     peak_after_refusal: Option<f64>,
+    refusals: u64,
     attempts_per_sec: Vec<u32>,
 }
 
@@ -699,6 +726,7 @@ fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
         outage_retries,
         recovery,
         budget_allowance,
+        refusals: stats.refusals,
         peak_after_refusal: stats.first_refusal.map(|first| {
             let after = (first + 1).min(stats.attempts.len());
             f64::from(stats.attempts[after..].iter().copied().max().unwrap_or(0)) / c
@@ -738,9 +766,9 @@ fn to_json(o: &Outcome) -> Value {
     })
 }
 
-fn table(outcomes: &[Outcome]) -> String {
+fn table(outcomes: &[Outcome], scenarios: &[Scenario]) -> String {
     let mut out = String::new();
-    for scenario in Scenario::ALL {
+    for &scenario in scenarios {
         let _ = writeln!(out, "\n{}", scenario.name());
         let _ = writeln!(
             out,
@@ -910,15 +938,27 @@ fn main() {
             outcomes.push(o);
         }
     }
-    println!("{}", table(&outcomes));
-    for o in outcomes.iter().filter(|o| o.scenario != Scenario::S4) {
+    println!("{}", table(&outcomes, &Scenario::ALL));
+    // S2 again, the server now sending the rate-limit headers real APIs send on every answer
+    // (limit, remaining, reset): only the fleet features read them.
+    let with_headers = simulate(Scenario::S2Headers, Policy::DefaultGateBudget, seed);
+    println!(
+        "{}",
+        table(std::slice::from_ref(&with_headers), &[Scenario::S2Headers])
+    );
+    for o in outcomes
+        .iter()
+        .chain([&with_headers])
+        .filter(|o| o.scenario != Scenario::S4)
+    {
         if let Some(peak) = o.peak_after_refusal {
             println!(
-                "{} {}: peak {:.2} C over the run, {:.2} C after the first refusal",
+                "{} {}: peak {:.2} C over the run, {:.2} C after the first refusal; {} refusals",
                 o.scenario.name(),
                 o.policy.name(),
                 o.peak,
-                peak
+                peak,
+                o.refusals
             );
         }
     }

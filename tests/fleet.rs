@@ -834,3 +834,42 @@ async fn cancellation_while_waiting_in_the_pacing_line_ends_at_once() {
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(server.request_count(), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stated_request_limit_paces_the_fleet_from_the_first_answer() {
+    // Every answer states 600 requests a minute (10/s); pacing starts at 50/s. The turn
+    // after the first was scheduled at 50/s (20 ms); from the first answer on, the line moves
+    // at 10/s, with no refusal needed to learn it.
+    let server = MockServer::start(Script::always(
+        Reply::success().header("x-ratelimit-limit-requests", "600"),
+    ))
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(50.0, 50.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..5 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        tokio::task::yield_now().await;
+    }
+    while let Some(j) = tasks.join_next().await {
+        assert_eq!(j.unwrap(), StatusCode::OK);
+    }
+    let ms: Vec<u128> = arrivals(&server, origin)
+        .iter()
+        .map(|d| (d.as_micros() + 500) / 1000)
+        .collect();
+    let want = [0, 20, 120, 220, 320];
+    assert_eq!(ms.len(), want.len());
+    for (got, want) in ms.iter().zip(want) {
+        assert!(got.abs_diff(want) <= 1, "{ms:?}");
+    }
+}

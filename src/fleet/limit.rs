@@ -33,6 +33,10 @@ use crate::retry::ConfigError;
 ///   there through the wait and one whole cycle after it, then grows at most 25 % above it
 ///   per cycle. A server that counts requests per window is then sent its quota spread over
 ///   the window instead of in a burst at the window's start.
+/// - **Stated limits**: a response that states its request limit
+///   (`anthropic-ratelimit-requests-limit`, `x-ratelimit-limit-requests`) caps the rate at
+///   `limit / period` (see [`limit_period`](PacingConfig::limit_period)), so the fleet sends
+///   what the server allows from its first answer instead of finding it out by refusals.
 ///
 /// Why a rate and not a burst: a fleet whose requests start together comes back together,
 /// and a server's limiter (a token bucket, a window) refuses the part of each burst above its
@@ -43,7 +47,8 @@ use crate::retry::ConfigError;
 /// spent: the attempt waits at the gate, then queues again, so the requests the gate held
 /// leave it at the pacing rate.
 ///
-/// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05.
+/// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05;
+/// stated limits read as per minute.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PacingConfig {
     initial: f64,
@@ -51,6 +56,7 @@ pub struct PacingConfig {
     max: f64,
     decrease: f64,
     growth: f64,
+    limit_period: Option<Duration>,
 }
 
 impl Default for PacingConfig {
@@ -61,6 +67,7 @@ impl Default for PacingConfig {
             max: 10_000.0,
             decrease: 0.95,
             growth: 0.05,
+            limit_period: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -113,9 +120,29 @@ impl PacingConfig {
         Ok(self)
     }
 
+    /// The period a stated request limit counts over, or `None` to ignore stated limits.
+    ///
+    /// A response that states its request limit (`anthropic-ratelimit-requests-limit`,
+    /// `x-ratelimit-limit-requests`; see [`ratelimit`](crate::fleet::ratelimit)) caps the
+    /// rate at `limit / period`: the fleet then sends what the server allows spread evenly,
+    /// from the first answer, instead of finding it by being refused. Both providers state
+    /// requests per minute. Defaults to 60 s.
+    pub fn limit_period(mut self, period: Option<Duration>) -> Result<Self, ConfigError> {
+        if period.is_some_and(|p| p.is_zero()) {
+            return Err(ConfigError::new("the limit period must not be zero"));
+        }
+        self.limit_period = period;
+        Ok(self)
+    }
+
     /// The rate it starts from.
     pub fn initial(&self) -> f64 {
         self.initial
+    }
+
+    /// The period a stated request limit counts over, if stated limits are read.
+    pub fn get_limit_period(&self) -> Option<Duration> {
+        self.limit_period
     }
 }
 
@@ -133,6 +160,8 @@ struct State {
     /// Bumped by every decrease.
     epoch: u64,
     slow_start: bool,
+    /// The cap a stated request limit sets, if a response stated one.
+    stated: Option<f64>,
     /// Turns taken since `since` (the first turn, or the end of the last Retry-After), for
     /// the rate a quota's Retry-After implies.
     sent: u64,
@@ -162,6 +191,11 @@ impl Quota {
 }
 
 impl State {
+    /// The highest rate allowed: the configured maximum, or a stated limit below it.
+    fn ceiling(&self, config: &PacingConfig) -> f64 {
+        self.stated.map_or(config.max, |c| c.min(config.max))
+    }
+
     /// Moves the head past tickets whose holders left, and takes the waker of the holder now
     /// at the head, if it is waiting to be told.
     fn settle(&mut self) -> Option<Waker> {
@@ -221,6 +255,7 @@ impl Pacer {
                 since: None,
                 quota: None,
                 last_turn: None,
+                stated: None,
             }),
         }
     }
@@ -271,7 +306,8 @@ impl Pacer {
                         let dt = now
                             .saturating_duration_since(last)
                             .min(Duration::from_secs(1));
-                        s.rate = (s.rate * dt.as_secs_f64().exp2()).min(self.config.max);
+                        let ceiling = s.ceiling(&self.config);
+                        s.rate = (s.rate * dt.as_secs_f64().exp2()).min(ceiling);
                     }
                 }
                 s.last_turn = Some(now);
@@ -328,10 +364,10 @@ impl Pacer {
         }
         let ceiling = match s.quota {
             Some(q) => match q.ceiling(Instant::now()) {
-                Some(c) => c.min(self.config.max),
+                Some(c) => c.min(s.ceiling(&self.config)),
                 None => return,
             },
-            None => self.config.max,
+            None => s.ceiling(&self.config),
         };
         if !s.slow_start && s.rate < ceiling {
             s.rate = (s.rate + self.config.growth).min(ceiling);
@@ -379,6 +415,19 @@ impl Pacer {
         s.sent = 0;
         s.since = Some(now + wait);
         s.rate = rate.clamp(self.config.min, self.config.max);
+    }
+
+    /// A response stated the request limit: `limit` per the configured period.
+    pub(crate) fn on_limit(&self, limit: u64) {
+        let Some(period) = self.config.limit_period else {
+            return;
+        };
+        let cap = (limit as f64 / period.as_secs_f64()).clamp(self.config.min, self.config.max);
+        let mut s = self.lock();
+        s.stated = Some(cap);
+        if s.rate > cap {
+            s.rate = cap;
+        }
     }
 }
 
@@ -616,5 +665,55 @@ mod tests {
         p.on_refusal(0, Some(Duration::from_secs(1)));
         // Only the halving that ends slow start.
         assert_eq!(p.rate(), 50.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stated_limit_caps_the_rate_in_slow_start_and_after() {
+        let p = Pacer::new(PacingConfig::new().rates(50.0, 1.0, 1_000.0).unwrap());
+        let (_, w) = counting();
+        // 600 requests a minute: 10/s, below the rate it starts from.
+        p.on_limit(600);
+        assert_eq!(p.rate(), 10.0);
+        // Slow start does not take it above the cap, however long the line.
+        let tickets: Vec<_> = (0..50).map(|_| p.ticket()).collect();
+        for &t in &tickets[..30] {
+            loop {
+                match p.poll_turn(t, &w) {
+                    Turn::Go(_) => break,
+                    Turn::Wait(at) => tokio::time::advance(at - Instant::now()).await,
+                    Turn::Queued => unreachable!("served in order"),
+                }
+            }
+        }
+        assert_eq!(p.rate(), 10.0);
+        // Nor does growth after a refusal.
+        p.on_refusal(0, None);
+        assert_eq!(p.rate(), 5.0);
+        for _ in 0..1_000 {
+            p.on_success();
+        }
+        assert_eq!(p.rate(), 10.0);
+        // A higher stated limit raises the cap, not the rate.
+        p.on_limit(6_000);
+        assert_eq!(p.rate(), 10.0);
+        p.on_success();
+        assert!((p.rate() - 10.05).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stated_limits_can_be_ignored_and_the_period_changed() {
+        let p = Pacer::new(PacingConfig::new().limit_period(None).unwrap());
+        p.on_limit(60);
+        assert_eq!(p.rate(), 50.0);
+        let p = Pacer::new(
+            PacingConfig::new()
+                .limit_period(Some(Duration::from_secs(1)))
+                .unwrap(),
+        );
+        p.on_limit(20);
+        assert_eq!(p.rate(), 20.0);
+        assert!(PacingConfig::new()
+            .limit_period(Some(Duration::ZERO))
+            .is_err());
     }
 }

@@ -156,14 +156,23 @@ impl Fleet {
         self.budget.as_ref().is_none_or(|(_, b)| b.withdraw())
     }
 
-    /// Tells the gate what a response said: a `429` / `529` with `Retry-After`, or rate-limit
-    /// headers saying no request is left. The wait is capped at `policy`'s Retry-After ceiling.
+    /// Tells the fleet what a response said. The gate: a `429` / `529` with `Retry-After`, or
+    /// rate-limit headers saying no request is left (the wait is capped at `policy`'s
+    /// Retry-After ceiling). The pacing: a stated request limit.
     pub(crate) fn observe(
         &self,
         head: &http::response::Parts,
         retry_after: Option<Duration>,
         policy: &RetryPolicy,
     ) {
+        // Pacing: a stated request limit caps the rate.
+        if let Some(pacer) = &self.pacer {
+            if pacer.config().get_limit_period().is_some() {
+                if let Some(limit) = ratelimit::requests_limit(&head.headers) {
+                    pacer.on_limit(limit);
+                }
+            }
+        }
         let Some(gate) = &self.gate else {
             return;
         };

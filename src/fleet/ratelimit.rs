@@ -1,9 +1,9 @@
-//! Rate-limit headers that say "nothing left until T".
+//! Rate-limit headers: "nothing left until T", and the request limit itself.
 //!
-//! | provider | remaining | reset |
-//! |---|---|---|
-//! | Anthropic | `anthropic-ratelimit-requests-remaining` | `anthropic-ratelimit-requests-reset`: an RFC 3339 instant, `2026-01-01T00:00:10Z` |
-//! | OpenAI | `x-ratelimit-remaining-requests` | `x-ratelimit-reset-requests`: a duration, `1s`, `6m0s`, `547ms`, `2m52.8s` |
+//! | provider | limit | remaining | reset |
+//! |---|---|---|---|
+//! | Anthropic | `anthropic-ratelimit-requests-limit` | `anthropic-ratelimit-requests-remaining` | `anthropic-ratelimit-requests-reset`: an RFC 3339 instant, `2026-01-01T00:00:10Z` |
+//! | OpenAI | `x-ratelimit-limit-requests` | `x-ratelimit-remaining-requests` | `x-ratelimit-reset-requests`: a duration, `1s`, `6m0s`, `547ms`, `2m52.8s` |
 //!
 //! Every parser here is a pure function that reads at most [`MAX_VALUE_LEN`] bytes and never
 //! panics: a malformed, negative, overflowing or absurdly large value counts as absent.
@@ -20,6 +20,11 @@ pub const ANTHROPIC_REQUESTS_RESET: &str = "anthropic-ratelimit-requests-reset";
 pub const OPENAI_REQUESTS_REMAINING: &str = "x-ratelimit-remaining-requests";
 /// OpenAI's time (a duration such as `6m0s`) until the request limit is replenished.
 pub const OPENAI_REQUESTS_RESET: &str = "x-ratelimit-reset-requests";
+
+/// Anthropic's request limit (requests per minute).
+pub const ANTHROPIC_REQUESTS_LIMIT: &str = "anthropic-ratelimit-requests-limit";
+/// OpenAI's request limit (requests per minute).
+pub const OPENAI_REQUESTS_LIMIT: &str = "x-ratelimit-limit-requests";
 
 /// The longest header value the parsers look at; longer values count as absent.
 pub const MAX_VALUE_LEN: usize = 64;
@@ -61,6 +66,26 @@ pub fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Option<Du
         header(headers, OPENAI_REQUESTS_RESET).and_then(parse_duration)
     };
     anthropic().or_else(openai).filter(|d| !d.is_zero())
+}
+
+/// The request limit a response states, Anthropic's header first, then OpenAI's. `None` when
+/// neither is present and well formed, or the limit is zero.
+///
+/// ```
+/// use http::HeaderMap;
+/// use tower_llm_retry::fleet::ratelimit::requests_limit;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("anthropic-ratelimit-requests-limit", "4000".parse().unwrap());
+/// assert_eq!(requests_limit(&headers), Some(4000));
+/// headers.insert("anthropic-ratelimit-requests-limit", "-1".parse().unwrap());
+/// assert_eq!(requests_limit(&headers), None);
+/// ```
+pub fn requests_limit(headers: &HeaderMap) -> Option<u64> {
+    [ANTHROPIC_REQUESTS_LIMIT, OPENAI_REQUESTS_LIMIT]
+        .into_iter()
+        .find_map(|name| header(headers, name).and_then(parse_count))
+        .filter(|&n| n > 0)
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -480,5 +505,37 @@ mod tests {
             (OPENAI_REQUESTS_RESET, &long),
         ]);
         assert_eq!(requests_exhausted_for(&h, now()), None);
+    }
+
+    #[test]
+    fn limit_table() {
+        let cases: &[(&str, &str, Option<u64>)] = &[
+            (ANTHROPIC_REQUESTS_LIMIT, "4000", Some(4000)),
+            (OPENAI_REQUESTS_LIMIT, " 10000 ", Some(10_000)),
+            (OPENAI_REQUESTS_LIMIT, "0", None),
+            (OPENAI_REQUESTS_LIMIT, "-5", None),
+            (OPENAI_REQUESTS_LIMIT, "12.5", None),
+            (OPENAI_REQUESTS_LIMIT, "many", None),
+            (OPENAI_REQUESTS_LIMIT, "", None),
+            (OPENAI_REQUESTS_LIMIT, "99999999999999999999999", None),
+            ("x-ratelimit-limit-tokens", "4000", None),
+        ];
+        for (name, value, want) in cases {
+            let mut h = HeaderMap::new();
+            h.insert(*name, HeaderValue::from_str(value).unwrap());
+            assert_eq!(requests_limit(&h), *want, "{name}: {value:?}");
+        }
+        // Anthropic's is read first; a malformed one falls back to OpenAI's.
+        let mut h = HeaderMap::new();
+        h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("50"));
+        h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_static("60"));
+        assert_eq!(requests_limit(&h), Some(50));
+        h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("fifty"));
+        assert_eq!(requests_limit(&h), Some(60));
+        // Too long to read.
+        let mut h = HeaderMap::new();
+        let long = "1".repeat(MAX_VALUE_LEN + 1);
+        h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_str(&long).unwrap());
+        assert_eq!(requests_limit(&h), None);
     }
 }
