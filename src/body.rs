@@ -277,11 +277,13 @@ where
 {
     type Output = Result<ReplayBody, Error>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project() {
-            PrepareProj::Ready { body } => Poll::Ready(Ok(body
-                .take()
-                .expect("PrepareBody polled after completion"))),
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let result = match self.as_mut().project() {
+            PrepareProj::Ready { body } => {
+                return Poll::Ready(Ok(body
+                    .take()
+                    .expect("PrepareBody polled after completion")))
+            }
             PrepareProj::Collecting {
                 mut body,
                 first,
@@ -290,10 +292,10 @@ where
             } => loop {
                 let frame = match ready!(body.as_mut().poll_frame(cx)) {
                     Some(Ok(frame)) => frame,
-                    Some(Err(e)) => return Poll::Ready(Err(body_error(e))),
+                    Some(Err(e)) => break Err(body_error(e)),
                     None => {
                         let data = join(first.take(), std::mem::take(rest));
-                        return Poll::Ready(Ok(ReplayBody::buffered(data, trailers.take())));
+                        break Ok(ReplayBody::buffered(data, trailers.take()));
                     }
                 };
                 match frame.into_data() {
@@ -317,7 +319,10 @@ where
                     }
                 }
             },
-        }
+        };
+        // Done: the caller's body is dropped now, and a further poll panics as documented.
+        self.set(PrepareBody::Ready { body: None });
+        Poll::Ready(result)
     }
 }
 
@@ -476,5 +481,70 @@ mod tests {
         assert!(body.try_clone().is_none());
         assert_eq!(body.size_hint().exact(), Some(1));
         assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"x");
+    }
+
+    #[tokio::test]
+    async fn prepare_joins_frames_in_order_and_keeps_every_trailer() {
+        let mut first = HeaderMap::new();
+        first.insert("x-checksum", "abc".parse().unwrap());
+        let mut second = HeaderMap::new();
+        second.insert("x-signature", "def".parse().unwrap());
+        let body = Frames(
+            vec![
+                Frame::data(Bytes::from_static(b"{\"a\":")),
+                Frame::data(Bytes::new()),
+                Frame::data(Bytes::from_static(b"1}")),
+                Frame::trailers(first),
+                Frame::trailers(second),
+            ]
+            .into(),
+        );
+        let mut prepared = PrepareBody::new(body, 64).await.unwrap();
+        assert_eq!(&prepared.as_bytes().unwrap()[..], br#"{"a":1}"#);
+        // One data frame, then the trailers merged, as every attempt will send them.
+        let data = prepared
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_data()
+            .unwrap();
+        assert_eq!(&data[..], br#"{"a":1}"#);
+        let trailers = prepared
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        assert_eq!(trailers["x-checksum"], "abc");
+        assert_eq!(trailers["x-signature"], "def");
+        assert!(prepared.frame().await.is_none());
+        // A body of a single frame becomes the buffer as it is, with no copy.
+        let original = Bytes::from(vec![7u8; 100]);
+        let prepared = PrepareBody::new(http_body_util::Full::new(original.clone()), 1_000)
+            .await
+            .unwrap();
+        assert_eq!(prepared.as_bytes().unwrap().as_ptr(), original.as_ptr());
+        // No frame at all: an empty body.
+        let prepared = PrepareBody::new(http_body_util::Empty::<Bytes>::new(), 16)
+            .await
+            .unwrap();
+        assert!(prepared.as_bytes().unwrap().is_empty());
+    }
+
+    /// A body of the given frames, all ready, with no size hint.
+    struct Frames(std::collections::VecDeque<Frame<Bytes>>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
     }
 }

@@ -152,7 +152,8 @@ struct Ctx<S, C> {
     started: Instant,
     deadline: Option<Instant>,
     model: Option<Option<String>>,
-    // Fleet: this attempt already waited at the gate.
+    // Fleet: this attempt already waited at the gate (it is not held twice, even when the
+    // gate closes again while it waits for its pacing turn).
     gate_passed: bool,
     // Fleet: the pacing epoch of the attempt about to start or in flight, once it has its turn.
     paced: Option<u64>,
@@ -885,7 +886,7 @@ where
         let ticket = self.config.fleet.ticket()?;
         tracing::trace!(
             rate = self.config.fleet.pacing_rate(),
-            "waiting for a pacing turn"
+            "joining the pacing line"
         );
         Some(ticket)
     }
