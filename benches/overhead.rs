@@ -3,7 +3,8 @@
 //! Run with `cargo bench --bench overhead`. In memory (criterion): one request through the
 //! bare service, through `RetryLayer::new()` (budget on), and through `tower::retry` with a
 //! policy that clones the request, for `Full<Bytes>` bodies of 1 KiB and 1 MiB and a 1 MiB
-//! body streamed in 16 KiB chunks. The futures are polled by hand with a no-op waker, so no
+//! body streamed in 16 KiB chunks; for 1 KiB also through the whole stack (retry, model
+//! fallback, context-overflow repair, credentials). The futures are polled by hand with a no-op waker, so no
 //! executor cost dilutes the comparison. A counting global allocator reports allocations and
 //! bytes allocated per request. Over loopback HTTP (a hyper server and hyper-util's client on
 //! 127.0.0.1): requests per second, bare client against the client behind the layer.
@@ -224,6 +225,11 @@ fn in_memory(c: &mut Criterion) {
             group.bench_function("ours_without_budget", |b| {
                 b.iter(|| call(&mut no_budget, request(Full::new(data.clone()))))
             });
+            // The whole stack: retry, model fallback, context-overflow repair, credentials.
+            let mut stack = full_stack();
+            group.bench_function("full_stack", |b| {
+                b.iter(|| call(&mut stack, request(Full::new(data.clone()))))
+            });
         }
         let mut tower = tower::retry::Retry::new(ClonePolicy, Upstream);
         group.bench_function("tower_retry", |b| {
@@ -243,6 +249,26 @@ fn in_memory(c: &mut Criterion) {
         b.iter(|| call(&mut ours, request(Chunks::of(&data, 16 * KIB))))
     });
     group.finish();
+}
+
+/// `RetryLayer` with every companion layer, as the `full_stack` example builds it, over the
+/// in-memory upstream.
+fn full_stack(
+) -> impl Service<Request<Full<Bytes>>, Response = Response<impl Body>, Error = tower_llm_retry::Error>
+{
+    use tower_llm_retry::auth::ApiKey;
+    use tower_llm_retry::{AuthLayer, ContextOverflowLayer, ModelFallbackLayer};
+    tower::ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .layer(
+            ModelFallbackLayer::new(["claude-sonnet-4-5", "claude-haiku-4-5"])
+                .expect("valid chain"),
+        )
+        .layer(ContextOverflowLayer::new())
+        .layer(AuthLayer::new(
+            ApiKey::new("sk-ant-bench").expect("valid key"),
+        ))
+        .service(Upstream)
 }
 
 /// Allocations and bytes allocated per request, over `n` requests.
@@ -450,6 +476,18 @@ fn main() {
         if let Some(nb) = median_ns(&criterion_dir, case, "ours_without_budget") {
             print.push(format!(
                 "{case}: {nb:.0} ns through the layer without the budget"
+            ));
+        }
+        if let Some(fs) = median_ns(&criterion_dir, case, "full_stack") {
+            let mut stack = full_stack();
+            let (allocs, bytes) = allocations(1_000, || {
+                black_box(call(&mut stack, request(Full::new(data.clone()))));
+            });
+            let bare = median_ns(&criterion_dir, case, "bare").unwrap_or(f64::NAN);
+            print.push(format!(
+                "{case}: {fs:.0} ns through the full stack (retry, fallback, overflow, auth): \
+                 ratio to bare {:.3}; {allocs:.1} allocations and {bytes:.0} bytes per request",
+                fs / bare
             ));
         }
         print.push(format!(
