@@ -1,5 +1,6 @@
 //! Adaptive pacing: the rate at which the attempts of one layer are sent, learned from the
-//! server's answers (additive increase, multiplicative decrease, on a rate).
+//! server's answers (additive increase, multiplicative decrease, on a rate), its quotas and
+//! its stated limits.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -31,9 +32,10 @@ use crate::retry::ConfigError;
 ///   renewal and takes no more until the wait ends, so `n / (time since the renewal + wait)`
 ///   is the rate that spends the quota evenly over its cycle. The rate falls to that (when it
 ///   is lower than the usual decrease), holds there through the wait and one whole cycle
-///   after it, then grows at most 25 % above it per cycle. A second long `Retry-After` during
-///   the wait is the same quota, and only decreases the rate as usual. A server that counts requests per window is then sent its quota spread over
-///   the window instead of in a burst at the window's start.
+///   after it, then grows at most 25 % above it per cycle. A server that counts requests per
+///   window is then sent its quota spread over the window instead of in a burst at the
+///   window's start. A second long `Retry-After` during the wait is the same quota, and only
+///   decreases the rate as usual.
 /// - **Stated limits**: a response that states its request limit
 ///   (`anthropic-ratelimit-requests-limit`, `x-ratelimit-limit-requests`) caps the rate at
 ///   `limit / period` (see [`limit_period`](PacingConfig::limit_period)), even below `min`,
