@@ -225,18 +225,21 @@ where
             true => self.body.as_ref().and_then(ReplayBody::try_clone),
             false => None,
         };
-        let (mut parts, body) = match copy {
-            Some(copy) => (self.parts.clone().expect("kept for a re-send"), copy),
-            // No re-send can follow: the kept request goes itself.
-            None => (
-                self.parts
-                    .take()
-                    .expect("the request head is kept until the last send"),
-                self.body
-                    .take()
-                    .expect("the body is kept until the last send"),
-            ),
-        };
+        // The kept request goes itself, and a copy is kept in its place when a re-send can
+        // follow (sending the original rather than a copy is faster over a real connection:
+        // see `RetryLayer`).
+        let mut parts = self
+            .parts
+            .take()
+            .expect("the request head is kept until the last send");
+        let mut body = self
+            .body
+            .take()
+            .expect("the body is kept until the last send");
+        if let Some(copy) = copy {
+            self.parts = Some(parts.clone());
+            self.body = Some(std::mem::replace(&mut body, copy));
+        }
         if let Some(credential) = &self.credential {
             credential.apply(&mut parts.headers);
         }
