@@ -465,7 +465,6 @@ fn main() {
                     "ratio": round(our_ns / base_ns, 3),
                     "better": "lower",
                     "allocs_per_request": round(allocs, 2),
-                    "bytes_per_request": round(bytes, 0),
                 }));
                 print.push(format!(
                     "{case}: {our_ns:.0} ns through the layer, {base_ns:.0} ns {baseline}: ratio {:.3}",
