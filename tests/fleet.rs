@@ -873,3 +873,66 @@ async fn a_stated_request_limit_paces_the_fleet_from_the_first_answer() {
         assert!(got.abs_diff(want) <= 1, "{ms:?}");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_pacing_line_whose_head_keeps_leaving_still_serves_everyone_left() {
+    // 120 requests join a line paced at 20/s (one turn every 50 ms). Every third one, from
+    // the fourth on, is dropped while it is the head of the line, waiting for its instant:
+    // the one behind must be told it is the head now, or the line stops for good. Everyone
+    // else is served, one every 50 ms, and nothing dropped reaches the server.
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(20.0, 20.0))),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for k in 0..120u64 {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        // Request k's place in line once the d earlier ones are gone is k - d; it is the head
+        // from 50 ms before its turn: drop it halfway through that.
+        let drop_at = (k % 3 == 0 && k > 0).then(|| {
+            let d = k / 3 - 1;
+            Duration::from_millis((k - d) * 50 - 25)
+        });
+        tasks.spawn(async move {
+            let call = svc.oneshot(req);
+            match drop_at {
+                Some(d) => tokio::time::timeout(d, call)
+                    .await
+                    .ok()
+                    .map(|r| r.unwrap().status()),
+                None => Some(call.await.unwrap().status()),
+            }
+        });
+        tokio::task::yield_now().await;
+    }
+    let mut answered = 0;
+    let all = async {
+        while let Some(j) = tasks.join_next().await {
+            if let Some(status) = j.unwrap() {
+                assert_eq!(status, StatusCode::OK);
+                answered += 1;
+            }
+        }
+    };
+    // A lost wake-up would leave a request in line for ever: fail instead of hanging.
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("everyone left in line is served");
+    assert_eq!(answered, 120 - 39);
+    let got = arrivals(&server, origin);
+    assert_eq!(got.len(), answered);
+    // One turn every 50 ms, without a gap where a head left (within the timer's 1 ms).
+    for (k, at) in got.iter().enumerate() {
+        let want = Duration::from_millis(50 * k as u64);
+        assert!(
+            *at >= want && *at <= want + Duration::from_millis(1),
+            "{k}: {got:?}"
+        );
+    }
+}
