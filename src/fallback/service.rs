@@ -1,4 +1,3 @@
-use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -19,6 +18,7 @@ use crate::retry::RetryBody;
 /// [module docs](crate::fallback). Errors of the inner service pass through untouched; the
 /// layer's own ([`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered), and
 /// body errors when it buffers the body itself) are an [`Error`](crate::Error), boxed.
+#[derive(Clone, Debug)]
 pub struct ModelFallback<S> {
     inner: S,
     config: Arc<Config>,
@@ -42,24 +42,6 @@ impl<S> ModelFallback<S> {
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
         self.inner
-    }
-}
-
-impl<S: Clone> Clone for ModelFallback<S> {
-    fn clone(&self) -> Self {
-        ModelFallback {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for ModelFallback<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ModelFallback")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
     }
 }
 

@@ -1,4 +1,3 @@
-use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -20,6 +19,7 @@ use crate::retry::RetryBody;
 /// extension, [`ContextOverflow`](super::ContextOverflow).) Errors of the inner service pass
 /// through untouched; the layer's own (body errors when it buffers the body itself) are an
 /// [`Error`](crate::Error), boxed.
+#[derive(Clone, Debug)]
 pub struct ContextOverflowService<S> {
     inner: S,
     config: Arc<Config>,
@@ -43,24 +43,6 @@ impl<S> ContextOverflowService<S> {
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
         self.inner
-    }
-}
-
-impl<S: Clone> Clone for ContextOverflowService<S> {
-    fn clone(&self) -> Self {
-        ContextOverflowService {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for ContextOverflowService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ContextOverflowService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
     }
 }
 
