@@ -453,3 +453,37 @@ async fn deadline_cuts_retries_short() {
         Some(GiveUpReason::Deadline)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_head_timeout_cut_short_by_the_deadline_reports_the_time_it_waited() {
+    // No head timeout of its own; the 5 s deadline is what ends the wait for a server that
+    // never answers, and the error says 5 s, not the absent head timeout.
+    let server = MockServer::start(Script::always(Reply::stall()))
+        .await
+        .unwrap();
+    let l = RetryLayer::new().policy(
+        policy()
+            .head_timeout(None)
+            .deadline(Some(Duration::from_secs(5))),
+    );
+    let svc = ServiceBuilder::new().layer(l).service(http_client());
+    let start = Instant::now();
+    let err = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(5));
+    let mut source = std::error::Error::source(&err);
+    let mut timed_out = None;
+    while let Some(e) = source {
+        if let Some(t) = e.downcast_ref::<tower_llm_retry::TimedOut>() {
+            timed_out = Some((t.kind(), t.after()));
+        }
+        source = e.source();
+    }
+    assert_eq!(
+        timed_out,
+        Some((tower_llm_retry::TimeoutKind::Head, Duration::from_secs(5))),
+        "{err}"
+    );
+}

@@ -80,7 +80,10 @@ pin_project! {
         Ready,
         Calling {
             #[pin] future: F,
+            // The head timeout, once armed, and how long it was armed for (the policy's, or
+            // less when the deadline is nearer).
             #[pin] timeout: Option<Sleep>,
+            armed_for: Duration,
             span: Span,
         },
         // The states off the success path are boxed: it keeps the future small on the path
@@ -336,6 +339,7 @@ where
                 StateProj::Calling {
                     future,
                     mut timeout,
+                    armed_for,
                     span,
                 } => {
                     let polled = {
@@ -349,7 +353,10 @@ where
                             // answer that is ready at once never touches the timer wheel.
                             if timeout.is_none() {
                                 match ctx.head_timeout() {
-                                    Some(d) => timeout.set(Some(tokio::time::sleep(d))),
+                                    Some(d) => {
+                                        *armed_for = d;
+                                        timeout.set(Some(tokio::time::sleep(d)));
+                                    }
                                     None => return Poll::Pending,
                                 }
                             }
@@ -357,8 +364,7 @@ where
                             if !fired {
                                 return Poll::Pending;
                             }
-                            let after = ctx.policy().get_head_timeout().unwrap_or_default();
-                            Err(Box::new(TimedOut::new(TimeoutKind::Head, after)) as BoxError)
+                            Err(Box::new(TimedOut::new(TimeoutKind::Head, *armed_for)) as BoxError)
                         }
                     };
                     let span = std::mem::replace(span, Span::none());
@@ -803,6 +809,7 @@ where
         State::Calling {
             future,
             timeout: None,
+            armed_for: Duration::ZERO,
             span,
         }
     }
