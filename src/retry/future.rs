@@ -273,17 +273,8 @@ where
                     }
                     Ok(body) => {
                         ctx.body = Some(body);
-                        // Fleet: wait at the cooldown gate while it is closed.
-                        if let Some(wait) = ctx.gate_wait() {
-                            this.state.set(State::Gated {
-                                wait: Box::pin(wait),
-                            });
-                            continue;
-                        }
-                        // Fleet: wait for this attempt's turn of the pacing.
-                        if let Some(ticket) = ctx.take_turn() {
-                            let cancel = ctx.cancel_wait();
-                            this.state.set(State::Pacing { ticket, cancel });
+                        if let Some(wait) = ctx.admit() {
+                            this.state.set(wait);
                             continue;
                         }
                         // The service was polled ready before `call`; the first attempt
@@ -310,20 +301,8 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
-                    // Fleet: wait at the cooldown gate while it is closed. A pacing turn taken
-                    // before it closed is spent: the attempt queues again after the wait, or
-                    // everyone held would leave the gate at once.
-                    if let Some(wait) = ctx.gate_wait() {
-                        ctx.paced = None;
-                        this.state.set(State::Gated {
-                            wait: Box::pin(wait),
-                        });
-                        continue;
-                    }
-                    // Fleet: wait for this attempt's turn of the pacing.
-                    if let Some(ticket) = ctx.take_turn() {
-                        let cancel = ctx.cancel_wait();
-                        this.state.set(State::Pacing { ticket, cancel });
+                    if let Some(wait) = ctx.admit() {
+                        this.state.set(wait);
                         continue;
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
@@ -548,11 +527,10 @@ where
                 }
                 // Fleet: this attempt's turn came; go through Ready to poll the service ready.
                 StateProj::Pacing { ticket, cancel } => {
-                    let cancelled = match cancel.as_mut() {
-                        Some(c) => c.as_mut().poll(cx).is_ready(),
-                        None => false,
-                    };
-                    if cancelled {
+                    if cancel
+                        .as_mut()
+                        .is_some_and(|c| c.as_mut().poll(cx).is_ready())
+                    {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
@@ -756,8 +734,7 @@ where
         // follow): the first attempt sends the caller's own request. All copies are alike;
         // sending the original rather than a fresh copy measured 15 % more requests per
         // second over loopback HTTP (the `overhead` bench's client and server).
-        let keep = !last;
-        let parts = self
+        let mut parts = self
             .parts
             .take()
             .expect("request head is kept until the last attempt");
@@ -765,11 +742,10 @@ where
             .body
             .take()
             .expect("body is kept until the last attempt");
-        if keep {
+        if !last {
             self.parts = Some(parts.clone());
             self.body = Some(body.try_clone().expect("a buffered body can be cloned"));
         }
-        let mut parts = parts;
         parts.extensions.insert(AttemptContext {
             attempt: self.attempt,
             previous: self.previous,
@@ -884,9 +860,20 @@ where
         Ok(delay)
     }
 
-    /// Fleet: a place in the pacing line for the next attempt, unless it already had its
-    /// turn or there is no pacing.
-    fn take_turn(&mut self) -> Option<Ticket> {
+    /// Fleet: the wait before the next attempt, if any: at the cooldown gate while it is
+    /// closed, then for a turn of the pacing. A pacing turn taken before the gate closed is
+    /// spent: the attempt queues again after the gate, or everyone held would leave it at once.
+    fn admit<F, B, R>(&mut self) -> Option<State<F, B, R>>
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        if let Some(wait) = self.gate_wait() {
+            self.paced = None;
+            return Some(State::Gated {
+                wait: Box::pin(wait),
+            });
+        }
         if self.paced.is_some() {
             return None;
         }
@@ -895,7 +882,10 @@ where
             rate = self.config.fleet.pacing_rate(),
             "joining the pacing line"
         );
-        Some(ticket)
+        Some(State::Pacing {
+            ticket,
+            cancel: self.cancel_wait(),
+        })
     }
 
     /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
