@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::task::Waker;
 use std::time::Duration;
@@ -223,6 +224,9 @@ impl State {
 pub(crate) struct Pacer {
     config: PacingConfig,
     state: Mutex<State>,
+    // The last stated limit taken in (0: none), so that answers repeating it, as every
+    // answer does, cost a load and not the lock.
+    stated_limit: AtomicU64,
 }
 
 impl fmt::Debug for Pacer {
@@ -264,6 +268,7 @@ impl Pacer {
                 last_turn: None,
                 stated: None,
             }),
+            stated_limit: AtomicU64::new(0),
         }
     }
 
@@ -439,6 +444,10 @@ impl Pacer {
         let Some(period) = self.config.limit_period else {
             return;
         };
+        // The rate never grows past the stated cap, so the same limit again changes nothing.
+        if self.stated_limit.swap(limit, Ordering::Relaxed) == limit {
+            return;
+        }
         // Not clamped to `min`: a key allowed fewer requests than that is paced at its limit.
         let cap = (limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.config.max);
         let mut s = self.lock();

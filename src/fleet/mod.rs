@@ -167,10 +167,8 @@ impl Fleet {
     ) {
         // Pacing: a stated request limit caps the rate.
         if let Some(pacer) = &self.pacer {
-            if pacer.config().get_limit_period().is_some() {
-                if let Some(limit) = ratelimit::requests_limit(&head.headers) {
-                    pacer.on_limit(limit);
-                }
+            if let Some(limit) = ratelimit::requests_limit(&head.headers) {
+                pacer.on_limit(limit);
             }
         }
         let Some(gate) = &self.gate else {
