@@ -450,3 +450,37 @@ async fn a_token_near_expiry_is_refreshed_before_it_is_sent() {
         ["Bearer tok-renewed", "Bearer tok-renewed"]
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_refresh_reaches_the_caller_as_it_is_for_a_body_sent_once() {
+    // A body over the retry layer's limit is sent once, streaming, past the retry loop. The
+    // credential layer's own final error still reaches the caller as a TokenRefresh, not
+    // wrapped as a service error.
+    let server = MockServer::start(Script::new().require_header("authorization", ["never"]))
+        .await
+        .unwrap();
+    // No token yet, and the first fetch fails: the request cannot even be sent.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let source = RefreshingToken::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async { Err::<Token, _>(std::io::Error::other("identity provider down")) }
+    });
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()).body_limit(16))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let big = Full::new(Bytes::from(vec![b'x'; 64]));
+    let req = Request::post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(big)
+        .unwrap();
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+    assert_eq!(
+        std::error::Error::source(&err).unwrap().to_string(),
+        "identity provider down"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(server.request_count(), 0);
+}

@@ -293,7 +293,7 @@ where
                     let idle = ctx.policy().get_idle_timeout();
                     return Poll::Ready(match result {
                         Ok(res) => Ok(res.map(|b| RetryBody::plain(b, idle))),
-                        Err(e) => Err(Error::new(ErrorKind::Service).with_source(e)),
+                        Err(e) => Err(finish_error(ErrorKind::Service, e.into(), None)),
                     });
                 }
                 StateProj::Ready => {
@@ -307,10 +307,8 @@ where
                     }
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
                         this.state.set(State::Done);
-                        let err = Error::new(ErrorKind::Service)
-                            .with_source(e)
-                            .with_trail(ctx.finished_trail());
-                        return Poll::Ready(Err(err));
+                        let trail = Some(ctx.finished_trail());
+                        return Poll::Ready(Err(finish_error(ErrorKind::Service, e.into(), trail)));
                     }
                     let state = ctx.start_attempt();
                     this.state.set(state);
@@ -402,7 +400,7 @@ where
                                 }
                                 Verdict::GiveUp(reason) => {
                                     this.state.set(State::Done);
-                                    let trail = ctx.finished_trail();
+                                    let trail = Some(ctx.finished_trail());
                                     return Poll::Ready(Err(finish_error(
                                         give_up_kind(reason),
                                         e,
@@ -413,10 +411,12 @@ where
                                     // A classifier that calls an error a success still
                                     // leaves no response to return.
                                     this.state.set(State::Done);
-                                    let err = Error::new(ErrorKind::Service)
-                                        .with_source(e)
-                                        .with_trail(ctx.finished_trail());
-                                    return Poll::Ready(Err(err));
+                                    let trail = Some(ctx.finished_trail());
+                                    return Poll::Ready(Err(finish_error(
+                                        ErrorKind::Service,
+                                        e,
+                                        trail,
+                                    )));
                                 }
                             }
                         }
@@ -1022,15 +1022,16 @@ where
 /// An inner layer's own final error (a credential that could not be refreshed, a signal to
 /// switch models) reaches the caller as it is, with the trail added; anything else is wrapped
 /// in an error of `kind`.
-fn finish_error(kind: ErrorKind, e: BoxError, trail: RetryTrail) -> Error {
-    if kind == ErrorKind::Service {
-        match e.downcast::<Error>() {
-            Ok(inner) if inner.is_final() => return (*inner).with_trail(trail),
-            Ok(inner) => return Error::new(kind).with_source(*inner).with_trail(trail),
-            Err(e) => return Error::new(kind).with_source(e).with_trail(trail),
-        }
+fn finish_error(kind: ErrorKind, e: BoxError, trail: Option<RetryTrail>) -> Error {
+    let err = match e.downcast::<Error>() {
+        Ok(inner) if kind == ErrorKind::Service && inner.is_final() => *inner,
+        Ok(inner) => Error::new(kind).with_source(*inner),
+        Err(e) => Error::new(kind).with_source(e),
+    };
+    match trail {
+        Some(trail) => err.with_trail(trail),
+        None => err,
     }
-    Error::new(kind).with_source(e).with_trail(trail)
 }
 
 /// The top-level `"model"` of a JSON request body, for the tracing span.
