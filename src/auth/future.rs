@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::layer::Config;
 use super::{AuthOutcome, Credential, CredentialFuture};
-use crate::body::{PrepareBody, ReplayBody};
+use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{body_signal, BodySignal};
 use crate::classify::headers::parse_retry_after;
 use crate::error::{BoxError, Error, ErrorKind};
@@ -58,9 +58,8 @@ pin_project! {
 struct Ctx<S> {
     service: S,
     config: Arc<Config>,
-    /// The request head and body, kept while a re-send is still possible.
-    parts: Option<http::request::Parts>,
-    body: Option<ReplayBody>,
+    /// The request, kept while a re-send is still possible.
+    held: Held,
     /// The credential on the request in flight.
     credential: Option<Credential>,
     sends: u32,
@@ -101,8 +100,7 @@ where
             ctx: Ctx {
                 service,
                 config,
-                parts: Some(parts),
-                body: None,
+                held: Held::new(parts),
                 credential: None,
                 sends: 0,
                 refreshed: false,
@@ -130,7 +128,7 @@ where
             match this.state.as_mut().project() {
                 StateProj::Preparing { prepare } => match ready!(prepare.poll(cx)) {
                     Ok(body) => {
-                        ctx.body = Some(body);
+                        ctx.held.set_body(body);
                         let fetch = ctx.config.source.credential();
                         this.state.set(State::Fetching { fetch });
                     }
@@ -221,35 +219,17 @@ where
     fn send(&mut self) -> S::Future {
         self.sends += 1;
         let more = !self.refreshed || self.config.source.rotates();
-        let copy = match more && self.can_resend() {
-            true => self.body.as_ref().and_then(ReplayBody::try_clone),
-            false => None,
-        };
-        // The kept request goes itself, and a copy is kept in its place when a re-send can
-        // follow (sending the original rather than a copy is faster over a real connection:
-        // see `RetryLayer`).
-        let mut parts = self
-            .parts
-            .take()
-            .expect("the request head is kept until the last send");
-        let mut body = self
-            .body
-            .take()
-            .expect("the body is kept until the last send");
-        if let Some(copy) = copy {
-            self.parts = Some(parts.clone());
-            self.body = Some(std::mem::replace(&mut body, copy));
-        }
+        let mut req = self.held.send(more);
         if let Some(credential) = &self.credential {
-            credential.apply(&mut parts.headers);
+            credential.apply(req.headers_mut());
         }
-        self.service.call(Request::from_parts(parts, body))
+        self.service.call(req)
     }
 }
 
 impl<S> Ctx<S> {
     fn can_resend(&self) -> bool {
-        self.parts.is_some() && self.body.as_ref().is_some_and(ReplayBody::is_replayable)
+        self.held.can_resend()
     }
 
     /// After a `401`: tells the source, and decides whether to re-send with a fresh credential.

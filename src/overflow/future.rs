@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::layer::Config;
 use super::{ContextOverflow, OverflowRepaired};
-use crate::body::{PrepareBody, ReplayBody};
+use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{context_overflow, Overflow};
 use crate::error::BoxError;
 use crate::json_edit;
@@ -46,7 +46,7 @@ pin_project! {
         Calling { #[pin] future: F },
         Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>> },
         // The inner service is polled ready again before the re-send.
-        Resending { body: Option<ReplayBody> },
+        Resending,
         Done,
     }
 }
@@ -54,9 +54,8 @@ pin_project! {
 struct Ctx<S> {
     service: S,
     config: Arc<Config>,
-    /// The request head and body, kept while a re-send is still possible.
-    parts: Option<http::request::Parts>,
-    body: Option<ReplayBody>,
+    /// The request, kept while a re-send is still possible.
+    held: Held,
     repaired: Option<OverflowRepaired>,
 }
 
@@ -90,8 +89,7 @@ where
             ctx: Ctx {
                 service,
                 config,
-                parts: Some(parts),
-                body: None,
+                held: Held::new(parts),
                 repaired: None,
             },
         }
@@ -122,21 +120,9 @@ where
                             return Poll::Ready(Err(e.into()));
                         }
                     };
-                    let parts = ctx
-                        .parts
-                        .take()
-                        .expect("the request head is kept until sent");
-                    // Keep what a re-send needs; a body that cannot be replayed goes once.
-                    let req = match body.try_clone() {
-                        Some(copy) => {
-                            ctx.parts = Some(parts.clone());
-                            ctx.body = Some(body);
-                            Request::from_parts(parts, copy)
-                        }
-                        None => Request::from_parts(parts, body),
-                    };
+                    ctx.held.set_body(body);
                     // The service was polled ready before `call`.
-                    let future = ctx.service.call(req);
+                    let future = ctx.service.call(ctx.held.send(true));
                     this.state.set(State::Calling { future });
                 }
                 StateProj::Calling { future } => {
@@ -172,7 +158,8 @@ where
                     if let Some(overflow) = overflow {
                         if let Some(body) = ctx.repair(overflow) {
                             // The overflow response is dropped; its replacement is re-sent now.
-                            this.state.set(State::Resending { body: Some(body) });
+                            ctx.held.set_body(body);
+                            this.state.set(State::Resending);
                             continue;
                         }
                     }
@@ -184,18 +171,12 @@ where
                         overflow,
                     )));
                 }
-                StateProj::Resending { body } => {
+                StateProj::Resending => {
                     if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(e.into()));
                     }
-                    let body = body.take().expect("resend state holds the body");
-                    let parts = ctx
-                        .parts
-                        .take()
-                        .expect("the request head is kept for a re-send");
-                    ctx.body = None;
-                    let future = ctx.service.call(Request::from_parts(parts, body));
+                    let future = ctx.service.call(ctx.held.send(false));
                     this.state.set(State::Calling { future });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
@@ -212,7 +193,7 @@ struct Thinking {
 impl<S> Ctx<S> {
     /// The body to re-send for this overflow, if there is a repair and no re-send yet.
     fn repair(&mut self, overflow: Overflow) -> Option<ReplayBody> {
-        let body = self.body.as_ref()?;
+        let body = self.held.body()?;
         let bytes = body.as_bytes()?;
         if let Overflow::MaxTokens { input, limit, .. } = overflow {
             if let Some((from, to)) = self.smaller_max_tokens(bytes, input, limit) {

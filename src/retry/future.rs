@@ -16,7 +16,7 @@ use super::body::{Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
-use crate::body::{PrepareBody, ReplayBody};
+use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::{Classification, Classify, FailureClass};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
@@ -144,8 +144,7 @@ struct Ctx<S, C> {
     service: S,
     config: Arc<Config<C>>,
     policy_override: Option<Box<RetryPolicy>>,
-    parts: Option<http::request::Parts>,
-    body: Option<ReplayBody>,
+    held: Held,
     attempt: u32,
     sent: u32,
     consecutive_overloads: u32,
@@ -226,8 +225,7 @@ where
             service,
             config,
             policy_override: policy_override.map(Box::new),
-            parts: Some(parts),
-            body: None,
+            held: Held::new(parts),
             attempt: 0,
             sent: 0,
             consecutive_overloads: 0,
@@ -267,12 +265,12 @@ where
                 StateProj::Buffering { prepare } => match ready!(prepare.poll(cx)) {
                     Ok(body) if !body.is_replayable() => {
                         // Too big to hold: send it once, as it streams, and never retry it.
-                        let parts = ctx.parts.take().expect("the request head is kept");
-                        let future = ctx.service.call(Request::from_parts(parts, body));
+                        ctx.held.set_body(body);
+                        let future = ctx.service.call(ctx.held.send(false));
                         this.state.set(State::Passthrough { future });
                     }
                     Ok(body) => {
-                        ctx.body = Some(body);
+                        ctx.held.set_body(body);
                         if let Some(wait) = ctx.admit() {
                             this.state.set(wait);
                             continue;
@@ -730,22 +728,9 @@ where
         }
         self.gate_passed = false;
         let last = self.attempt >= self.policy().get_max_retries();
-        // What is held is sent, and a copy is kept in its place (none when no retry can
-        // follow): the first attempt sends the caller's own request. All copies are alike;
-        // sending the original rather than a fresh copy measured 15 % more requests per
-        // second over loopback HTTP (the `overhead` bench's client and server).
-        let mut parts = self
-            .parts
-            .take()
-            .expect("request head is kept until the last attempt");
-        let body = self
-            .body
-            .take()
-            .expect("body is kept until the last attempt");
-        if !last {
-            self.parts = Some(parts.clone());
-            self.body = Some(body.try_clone().expect("a buffered body can be cloned"));
-        }
+        // The first attempt sends the caller's own request; a copy is kept while a retry can
+        // follow.
+        let (mut parts, body) = self.held.send(!last).into_parts();
         parts.extensions.insert(AttemptContext {
             attempt: self.attempt,
             previous: self.previous,
