@@ -41,13 +41,12 @@ use std::sync::Arc;
 
 use http::Extensions;
 use reqwest_middleware::{Middleware, Next};
-use tower::ServiceExt;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
 use crate::classify::{Classify, DefaultClassifier};
 use crate::error::{Error, ErrorKind};
-use crate::retry::{Config, Retry, RetryLayer};
+use crate::retry::{Config, ResponseFuture, RetryLayer};
 
 /// Runs [`RetryLayer`]'s retry loop around the rest of a reqwest-middleware chain.
 ///
@@ -163,8 +162,9 @@ where
             next,
             extensions: extensions.clone(),
         };
-        let retry = Retry::from_config(svc, self.config.clone());
-        match retry.oneshot(http_req).await {
+        // The chain's service is always ready: the retry loop runs on it directly, with no
+        // `Retry` service (whose `call` would clone the chain only to drop the clone).
+        match ResponseFuture::new(svc, self.config.clone(), http_req).await {
             Ok(res) => {
                 use reqwest::ResponseBuilderExt;
                 let (mut parts, body) = res.into_parts();
