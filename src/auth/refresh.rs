@@ -39,7 +39,10 @@ impl Token {
         self
     }
 
-    fn into_credential(self, header: &CredentialHeader) -> Result<Credential, BoxError> {
+    fn into_credential(
+        self,
+        header: &CredentialHeader,
+    ) -> Result<Credential, super::InvalidCredential> {
         let credential = Credential::new(header, &self.secret)?;
         Ok(match self.expires_at {
             Some(at) => credential.expires_at(at),
@@ -178,12 +181,7 @@ impl RefreshingToken {
     /// A token to start with (one saved from an earlier run, say), so the first request need
     /// not wait for `fetch`. Defaults to none.
     pub fn initial(self, token: Token) -> Result<Self, super::InvalidCredential> {
-        let credential = Credential::new(&self.header, &token.secret)?;
-        let credential = match token.expires_at {
-            Some(at) => credential.expires_at(at),
-            None => credential,
-        };
-        self.shared.state().current = Some(credential);
+        self.shared.state().current = Some(token.into_credential(&self.header)?);
         Ok(self)
     }
 
@@ -260,7 +258,7 @@ impl RefreshingToken {
         tracing::debug!("refreshing the credential");
         let result = (self.fetch)()
             .await
-            .and_then(|token| token.into_credential(&self.header));
+            .and_then(|token| token.into_credential(&self.header).map_err(Into::into));
         let now = Instant::now();
         let mut st = self.shared.state();
         match result {

@@ -1021,9 +1021,5 @@ fn finish_error(kind: ErrorKind, e: BoxError, trail: Option<RetryTrail>) -> Erro
 
 /// The top-level `"model"` of a JSON request body, for the tracing span.
 fn request_model(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Model {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<Model>(body).ok()?.model
+    crate::json_edit::read_value(body, "model")
 }

@@ -40,6 +40,8 @@ mod sse;
 
 pub use self::sse::{ScanError, SseEvent, SseScanner};
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
 
 use crate::classify::{Classification, FailureClass};
@@ -180,8 +182,6 @@ struct Delta<'a> {
     #[serde(default)]
     function_call: Option<serde::de::IgnoredAny>,
 }
-
-use std::borrow::Cow;
 
 /// Maps an in-band error payload to the classification of its HTTP twin.
 fn error_twin(data: &str) -> Classification {

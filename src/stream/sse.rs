@@ -81,10 +81,10 @@ fn find_block_end(buf: &[u8]) -> Option<(usize, usize)> {
     let mut i = 0;
     while i < buf.len() {
         // A line ends with \n, \r\n or \r; a block ends with an empty line.
-        let (line_end, after) = match buf[i] {
-            b'\n' => (i, i + 1),
-            b'\r' if buf.get(i + 1) == Some(&b'\n') => (i, i + 2),
-            b'\r' if i + 1 < buf.len() => (i, i + 1),
+        let after = match buf[i] {
+            b'\n' => i + 1,
+            b'\r' if buf.get(i + 1) == Some(&b'\n') => i + 2,
+            b'\r' if i + 1 < buf.len() => i + 1,
             // A lone \r at the very end: wait, it may be the first half of \r\n.
             b'\r' => return None,
             _ => {
@@ -92,7 +92,6 @@ fn find_block_end(buf: &[u8]) -> Option<(usize, usize)> {
                 continue;
             }
         };
-        let _ = line_end;
         match buf.get(after) {
             Some(b'\n') => return Some((i, after + 1)),
             Some(b'\r') if buf.get(after + 1) == Some(&b'\n') => return Some((i, after + 2)),
