@@ -28,6 +28,34 @@
 //! [`StreamCommitted`](crate::StreamCommitted) extensions are on the returned
 //! `reqwest::Response` (`response.extensions()`).
 //!
+//! # Per-request settings
+//!
+//! [`NotReplaySafe`], [`NoRetry`] and a per-request [`RetryPolicy`] are read from the
+//! middleware `Extensions` (`RequestBuilder::with_extension`, or a middleware earlier in the
+//! chain), and from the request's own extensions (those of an `http::Request` turned into a
+//! `reqwest::Request` with `try_from`). When both hold a `RetryPolicy`, the one in the
+//! middleware `Extensions` is used.
+//!
+//! ```no_run
+//! use tower_llm_retry::NotReplaySafe;
+//!
+//! # use reqwest_middleware::{ClientWithMiddleware, Result};
+//! # async fn run(client: ClientWithMiddleware) -> Result<()> {
+//! let response = client
+//!     .post("https://api.example.com/v1/payments")
+//!     .body(r#"{"amount":100}"#)
+//!     .with_extension(NotReplaySafe)
+//!     .send()
+//!     .await?;
+//! # let _ = response; Ok(()) }
+//! ```
+//!
+//! What reqwest keeps on the `reqwest::Request` goes to every attempt: method, URL, headers,
+//! HTTP version and its extensions, among them the timeout of `RequestBuilder::timeout`. That
+//! timeout bounds each attempt, not the whole retry loop (for that, see
+//! [`RetryPolicy::deadline`]). When it fires, the attempt counts as a transport failure,
+//! retried unless the request is [`NotReplaySafe`].
+//!
 //! Differences to know:
 //! - A request whose body is a stream (`reqwest::Body::wrap_stream`) cannot be replayed; it
 //!   is sent once, as with `reqwest-retry`.
@@ -46,7 +74,7 @@ use tower_service::Service;
 use crate::body::ReplayBody;
 use crate::classify::{Classify, DefaultClassifier};
 use crate::error::{Error, ErrorKind};
-use crate::retry::{Config, ResponseFuture, RetryLayer};
+use crate::retry::{Config, NoRetry, NotReplaySafe, ResponseFuture, RetryLayer, RetryPolicy};
 
 /// Runs [`RetryLayer`]'s retry loop around the rest of a reqwest-middleware chain.
 ///
@@ -148,16 +176,12 @@ where
             // A streaming body: nothing to replay, so send it once.
             (Some(_), None) => return next.run(req, extensions).await,
         };
-        let mut builder = http::Request::builder()
-            .method(req.method().clone())
-            .uri(req.url().as_str())
-            .version(req.version());
-        if let Some(headers) = builder.headers_mut() {
-            *headers = req.headers().clone();
-        }
-        let http_req = builder
-            .body(http_body_util::Full::new(bytes))
-            .map_err(reqwest_middleware::Error::middleware)?;
+        // reqwest keeps its per-request settings (the timeout) and any extensions of the
+        // `http::Request` it was made from in private extensions; only this conversion
+        // reaches them, and the conversion back in `NextService` hands them to every attempt.
+        let (mut parts, _) = http::Request::<reqwest::Body>::try_from(req)?.into_parts();
+        add_markers(extensions, &mut parts.extensions);
+        let http_req = http::Request::from_parts(parts, http_body_util::Full::new(bytes));
         let svc = NextService {
             next,
             extensions: extensions.clone(),
@@ -188,6 +212,20 @@ where
             }
             Err(err) => Err(into_middleware_error(err)),
         }
+    }
+}
+
+/// Adds the markers set the reqwest-middleware way (`RequestBuilder::with_extension`, or an
+/// earlier middleware) to those the request itself carries. A `RetryPolicy` in `from` wins.
+fn add_markers(from: &Extensions, to: &mut Extensions) {
+    if from.get::<NotReplaySafe>().is_some() {
+        to.insert(NotReplaySafe);
+    }
+    if from.get::<NoRetry>().is_some() {
+        to.insert(NoRetry);
+    }
+    if let Some(policy) = from.get::<RetryPolicy>() {
+        to.insert(policy.clone());
     }
 }
 

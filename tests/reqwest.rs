@@ -15,8 +15,8 @@ use tower_llm_retry::reqwest::ReqwestService;
 use tower_llm_retry::reqwest_middleware::RetryMiddleware;
 use tower_llm_retry::retry::Jitter;
 use tower_llm_retry::{
-    Error, ErrorKind, FailureClass, NotReplaySafe, RetryLayer, RetryPolicy, RetryTrail,
-    StreamCommitted,
+    Error, ErrorKind, FailureClass, GiveUpReason, NoRetry, NotReplaySafe, RetryLayer, RetryPolicy,
+    RetryTrail, StreamCommitted,
 };
 
 fn client() -> reqwest::Client {
@@ -226,4 +226,150 @@ async fn middleware_exhaustion_is_a_typed_error() {
     assert_eq!(ours.kind(), ErrorKind::Exhausted);
     assert_eq!(ours.trail().unwrap().total_attempts(), 3);
     assert_eq!(server.request_count(), 3);
+}
+
+/// The crate's error inside a middleware error.
+fn crate_error(err: &reqwest_middleware::Error) -> &Error {
+    let reqwest_middleware::Error::Middleware(e) = err else {
+        panic!("expected a middleware error, got {err:?}");
+    };
+    e.downcast_ref::<Error>().expect("the crate's error")
+}
+
+/// A not-replay-safe request reset after the server read it: the loop gave up at once, for
+/// that reason, and the caller gets the chain's error.
+fn assert_gave_up_after_a_reset(err: &reqwest_middleware::Error, recorder: &Recorder) {
+    assert!(
+        matches!(
+            recorder.seen().as_slice(),
+            [Seen::GaveUp(trail)] if trail.gave_up() == Some(GiveUpReason::NotReplaySafe)
+        ),
+        "{:?}",
+        recorder.seen()
+    );
+    // Not retried at all, so the chain's own error comes back as it was.
+    let reqwest_middleware::Error::Reqwest(e) = err else {
+        panic!("expected the chain's reqwest error, got {err:?}");
+    };
+    assert!(
+        e.is_request() && !e.is_connect() && !e.is_timeout(),
+        "{e:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn middleware_not_replay_safe_extension_is_sent_once_after_a_reset() {
+    let server = MockServer::start(Script::always(Reply::reset()))
+        .await
+        .unwrap();
+    let recorder = Recorder::default();
+    let err = middleware_client(&recorder)
+        .post(server.url("/v1/messages"))
+        .body(BODY)
+        .with_extension(NotReplaySafe)
+        .send()
+        .await
+        .unwrap_err();
+    assert_eq!(server.request_count(), 1);
+    assert_gave_up_after_a_reset(&err, &recorder);
+}
+
+#[tokio::test(start_paused = true)]
+async fn middleware_not_replay_safe_in_the_request_itself_is_sent_once_after_a_reset() {
+    let server = MockServer::start(Script::always(Reply::reset()))
+        .await
+        .unwrap();
+    let mut req = http::Request::post(server.url("/v1/messages"))
+        .body(BODY)
+        .unwrap();
+    req.extensions_mut().insert(NotReplaySafe);
+    let req = reqwest::Request::try_from(req).unwrap();
+    let recorder = Recorder::default();
+    let err = middleware_client(&recorder).execute(req).await.unwrap_err();
+    assert_eq!(server.request_count(), 1);
+    assert_gave_up_after_a_reset(&err, &recorder);
+}
+
+#[tokio::test(start_paused = true)]
+async fn middleware_no_retry_extension_sends_a_503_once() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let res = middleware_client(&Recorder::default())
+        .post(server.url("/v1/messages"))
+        .body(BODY)
+        .with_extension(NoRetry)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.request_count(), 1);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.total_attempts(), 1);
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxRetries));
+}
+
+#[tokio::test(start_paused = true)]
+async fn middleware_policy_extension_replaces_the_layer_policy() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let recorder = Recorder::default();
+    let res = middleware_client(&recorder)
+        .post(server.url("/v1/messages"))
+        .body(BODY)
+        .with_extension(RetryPolicy::default().max_retries(1).jitter(Jitter::none()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.request_count(), 2);
+    assert_eq!(
+        res.extensions()
+            .get::<RetryTrail>()
+            .unwrap()
+            .total_attempts(),
+        2
+    );
+    assert_eq!(recorder.delays(), [Duration::from_millis(500)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn middleware_keeps_the_per_request_timeout_on_every_attempt() {
+    let server = MockServer::start(Script::always(Reply::stall()))
+        .await
+        .unwrap();
+    let recorder = Recorder::default();
+    let client = reqwest_middleware::ClientBuilder::new(client())
+        .with(RetryMiddleware::new(layer(&recorder).policy(
+            RetryPolicy::default().max_retries(1).jitter(Jitter::none()),
+        )))
+        .build();
+    let started = tokio::time::Instant::now();
+    let err = client
+        .post(server.url("/v1/messages"))
+        .body(BODY)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .unwrap_err();
+    // Each attempt waited 5 s (reqwest's timeout, not the layer's 600 s head timeout),
+    // with the 0.5 s backoff between them.
+    assert_eq!(server.request_count(), 2);
+    assert_eq!(gaps(&server), [Duration::from_millis(5500)]);
+    assert_eq!(started.elapsed(), Duration::from_millis(10_500));
+    let ours = crate_error(&err);
+    assert_eq!(ours.kind(), ErrorKind::Exhausted);
+    let trail = ours.trail().unwrap();
+    assert_eq!(trail.total_attempts(), 2);
+    assert!(trail
+        .attempts()
+        .iter()
+        .all(|a| a.class == FailureClass::Transport));
+    let last =
+        std::error::Error::source(ours).and_then(|e| e.downcast_ref::<reqwest_middleware::Error>());
+    let Some(reqwest_middleware::Error::Reqwest(last)) = last else {
+        panic!("expected reqwest's error as the last cause, got {ours:?}");
+    };
+    assert!(last.is_timeout(), "{last:?}");
 }
