@@ -57,6 +57,12 @@ pub enum ErrorKind {
     /// The source is a [`FallbackTriggered`] naming both, also reachable through
     /// [`Error::fallback_triggered`].
     FallbackTriggered,
+    /// The request's deadline ([`RetryPolicy::deadline`](crate::RetryPolicy::deadline))
+    /// passed, or would pass, while it waited to start an attempt: at the cooldown gate, in
+    /// the pacing line, or for the inner service to be ready. No attempt was started after
+    /// it. The source is a [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists
+    /// the attempts made before.
+    DeadlineExceeded,
 }
 
 impl ErrorKind {
@@ -74,6 +80,7 @@ impl ErrorKind {
             ErrorKind::FallbackExhausted => "fallback_exhausted",
             ErrorKind::ResponseBody => "response_body",
             ErrorKind::FallbackTriggered => "fallback_triggered",
+            ErrorKind::DeadlineExceeded => "deadline_exceeded",
         }
     }
 
@@ -90,6 +97,9 @@ impl ErrorKind {
             ErrorKind::FallbackExhausted => "every fallback model was overloaded",
             ErrorKind::ResponseBody => "failed to read the response body",
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
+            ErrorKind::DeadlineExceeded => {
+                "the request's deadline passed before an attempt could start"
+            }
         }
     }
 }
@@ -190,6 +200,11 @@ impl Error {
     /// Returns true for [`ErrorKind::FallbackTriggered`].
     pub fn is_fallback_triggered(&self) -> bool {
         self.kind() == ErrorKind::FallbackTriggered
+    }
+
+    /// Returns true for [`ErrorKind::DeadlineExceeded`].
+    pub fn is_deadline_exceeded(&self) -> bool {
+        self.kind() == ErrorKind::DeadlineExceeded
     }
 
     /// The models to switch between, for an [`ErrorKind::FallbackTriggered`] error.
@@ -334,6 +349,8 @@ pub enum TimeoutKind {
     Head,
     /// No body frame arrived in time.
     Idle,
+    /// The request's total deadline passed.
+    Deadline,
 }
 
 impl TimedOut {
@@ -357,6 +374,7 @@ impl fmt::Display for TimedOut {
         match self.what {
             TimeoutKind::Head => write!(f, "no response head within {:?}", self.after),
             TimeoutKind::Idle => write!(f, "response body idle for {:?}", self.after),
+            TimeoutKind::Deadline => write!(f, "request deadline of {:?} reached", self.after),
         }
     }
 }

@@ -134,6 +134,7 @@ pub mod json_edit;
 pub mod overflow;
 pub mod retry;
 pub mod stream;
+mod time;
 
 #[cfg(feature = "mock")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
@@ -11,7 +12,8 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fallback::FallbackMode;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::{
-    ErrorKind, FailureClass, GiveUpReason, ModelFallbackLayer, ModelUsed, RetryLayer, RetryTrail,
+    ContextOverflowLayer, ErrorKind, FailureClass, GiveUpReason, ModelFallbackLayer, ModelUsed,
+    RetryLayer, RetryTrail,
 };
 
 /// Pretty-printed, with a nested `"model"` that must never change.
@@ -378,6 +380,89 @@ async fn works_alone_and_buffers_the_body_itself() {
         OPUS_MODEL
     );
     assert_eq!(sha256(&server.requests()[0].body), sha256(OPUS.as_bytes()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn model_used_names_the_model_a_context_window_fallback_went_to() {
+    // The fallback layer sends the requested model; the overflow layer inside it re-sends the
+    // request to a larger-context model, and that is the model the response came from.
+    let server = start(
+        Script::new()
+            .then(Reply::prompt_too_long(210_000, 200_000))
+            .then(Reply::success()),
+    )
+    .await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .layer(ContextOverflowLayer::new().context_window_fallback("claude-opus-4-1-1m"))
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(models_sent(&server), [OPUS_MODEL, "claude-opus-4-1-1m"]);
+    let used = res.extensions().get::<ModelUsed>().unwrap();
+    assert_eq!(used.model, "claude-opus-4-1-1m");
+    assert_eq!(used.requested, OPUS_MODEL);
+    assert!(used.is_fallback());
+}
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_layer_outside_retry_layer_warns_once() {
+    let capture = Capture::default();
+    let writer = capture.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let server = start(Script::new()).await;
+    let outside = ServiceBuilder::new()
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .layer(RetryLayer::new())
+        .service(http_client());
+    for _ in 0..3 {
+        let res = outside
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    let warned = |text: &str| text.matches("must sit inside RetryLayer").count();
+    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(warned(&text), 1, "{text}");
+
+    // Inside, where it belongs, it says nothing.
+    capture.0.lock().unwrap().clear();
+    let inside = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
+        .service(http_client());
+    let res = inside
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(warned(&text), 0, "{text}");
 }
 
 #[test]

@@ -6,6 +6,7 @@ mod common;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
@@ -17,7 +18,7 @@ use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::Jitter;
 use tower_llm_retry::{
     AttemptContext, ErrorKind, FailureClass, GiveUpReason, NoRetry, NotReplaySafe, ReplayBody,
-    RetryLayer, RetryPolicy, RetryTrail,
+    RetryLayer, RetryPolicy, RetryTrail, TimedOut, TimeoutKind,
 };
 
 /// A request body that arrives in chunks, with no length known up front.
@@ -188,6 +189,97 @@ async fn body_known_to_be_over_the_cap_passes_through_once() {
     let seen = server.requests();
     assert_eq!(seen.len(), 1);
     assert_eq!(sha256(&seen[0].body), sha256(&data));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_too_large_to_hold_still_has_a_head_timeout() {
+    // Sent once, as it streams, to a server that reads it and never answers: the head
+    // timeout ends it (before, nothing did).
+    let server = MockServer::start(Script::new().then(Reply::stall()))
+        .await
+        .unwrap();
+    let data = Bytes::from(payload(100 * 1024));
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .body_limit(64 * 1024)
+                .policy(RetryPolicy::default().head_timeout(Some(Duration::from_secs(30)))),
+        )
+        .service(http_client());
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Full::new(data.clone()))
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(3_600), svc.oneshot(req))
+        .await
+        .expect("the head timeout ends the request")
+        .unwrap_err();
+    assert_eq!(tokio::time::Instant::now() - start, Duration::from_secs(30));
+    // Not retried: the kind says the failure went up as it was.
+    assert_eq!(err.kind(), ErrorKind::Service);
+    let timed_out = std::error::Error::source(&err)
+        .and_then(|s| s.downcast_ref::<TimedOut>())
+        .expect("the source is the head timeout");
+    assert_eq!(timed_out.kind(), TimeoutKind::Head);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(sha256(&seen[0].body), sha256(&data));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_too_large_to_hold_waits_at_the_gate_and_within_the_deadline() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("10"))
+            .then(Reply::success())
+            .then(Reply::stall()),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .body_limit(64 * 1024)
+                .policy(RetryPolicy::default().jitter(Jitter::none()).max_retries(0))
+                .cooldown_gate(Some(
+                    tower_llm_retry::fleet::GateConfig::new()
+                        .spread(0.0, Duration::ZERO)
+                        .unwrap(),
+                )),
+        )
+        .service(http_client());
+    // A 429 closes the gate for 10 s.
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let origin = server.requests()[0].received_at;
+
+    // The over-cap body waits at the gate like any other first attempt.
+    let data = Bytes::from(payload(100 * 1024));
+    let req = Request::post(server.url("/v1/messages"))
+        .body(Full::new(data.clone()))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].received_at - origin, Duration::from_secs(10));
+    assert_eq!(sha256(&seen[1].body), sha256(&data));
+
+    // And its deadline cuts the head timeout: a stalled server ends it at the deadline.
+    let mut req = Request::post(server.url("/v1/messages"))
+        .body(Full::new(data.clone()))
+        .unwrap();
+    req.extensions_mut()
+        .insert(RetryPolicy::default().deadline(Some(Duration::from_secs(7))));
+    let start = tokio::time::Instant::now();
+    let err = svc.clone().oneshot(req).await.unwrap_err();
+    assert_eq!(tokio::time::Instant::now() - start, Duration::from_secs(7));
+    assert_eq!(err.kind(), ErrorKind::Service);
+    assert_eq!(server.request_count(), 3);
 }
 
 #[tokio::test(start_paused = true)]

@@ -16,6 +16,7 @@ use crate::body::{PrepareBody, ReplayBody};
 use crate::classify::is_overloaded;
 use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
+use crate::overflow::OverflowRepaired;
 use crate::retry::body::Peeked;
 use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 
@@ -94,10 +95,13 @@ where
 {
     pub(crate) fn new(service: S, config: Arc<Config>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
-        let overloads = parts
-            .extensions
-            .get::<AttemptContext>()
-            .map_or(0, |c| c.consecutive_overloads);
+        let overloads = match parts.extensions.get::<AttemptContext>() {
+            Some(c) => c.consecutive_overloads,
+            None => {
+                config.state.warn_outside_once();
+                0
+            }
+        };
         let prepare = PrepareBody::new(body, config.body_limit);
         ResponseFuture {
             state: State::Preparing { prepare },
@@ -287,7 +291,7 @@ impl<S> Ctx<S> {
                 }
                 (FallbackMode::Rewrite, Some(next)) => {
                     if let Some(cooldown) = self.config.sticky {
-                        let until = Instant::now() + cooldown;
+                        let until = crate::time::after(Instant::now(), cooldown);
                         self.config
                             .state
                             .raise(&plan.requested, plan.level + 1, until);
@@ -312,9 +316,15 @@ impl<S> Ctx<S> {
         }
         self.span
             .record("gen_ai.response.model", plan.sent.as_str());
+        // A layer inside (ContextOverflowLayer's context-window fallback) may have re-sent
+        // the request to another model: the response came from that one.
+        let model = match head.extensions.get::<OverflowRepaired>() {
+            Some(OverflowRepaired::Model { to, .. }) => to.clone(),
+            _ => plan.sent,
+        };
         let mut res = Response::from_parts(head, body);
         res.extensions_mut().insert(ModelUsed {
-            model: plan.sent,
+            model,
             requested: plan.requested,
             chain_exhausted: exhausted,
         });

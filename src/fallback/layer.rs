@@ -1,5 +1,6 @@
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -142,9 +143,22 @@ impl Config {
 #[derive(Default)]
 pub(crate) struct Sticky {
     levels: Mutex<HashMap<String, (usize, Instant)>>,
+    // Whether the layer has warned that it runs outside `RetryLayer`.
+    warned_outside: AtomicBool,
 }
 
 impl Sticky {
+    /// Warns, once per layer, that a request came with no `AttemptContext`: the layer is not
+    /// inside `RetryLayer`, so it never sees an overload count and never falls back.
+    pub(crate) fn warn_outside_once(&self) {
+        if !self.warned_outside.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "ModelFallbackLayer saw a request without an AttemptContext: it must sit inside \
+                 RetryLayer to count overloads; until then it does not fall back as configured"
+            );
+        }
+    }
+
     /// How far down its chain requests for `model` start now; 0 for the model itself.
     pub(crate) fn level(&self, model: &str, now: Instant) -> usize {
         let mut levels = self.levels.lock().unwrap_or_else(PoisonError::into_inner);

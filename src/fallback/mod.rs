@@ -9,6 +9,13 @@
 //! body is replaced and every other byte is left as it was (see [`json_edit`](crate::json_edit)),
 //! so the prompt cache still matches the prefix.
 //!
+//! Outside `RetryLayer` (or with no `RetryLayer` at all) the layer sees no `AttemptContext`,
+//! so it cannot count a request's consecutive overloads and does not fall back as configured;
+//! it logs a warning the first time, once per layer.
+//!
+//! When a [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside this one re-sends a
+//! request to its context-window fallback, [`ModelUsed::model`] names that model.
+//!
 //! # Example
 //!
 //! ```

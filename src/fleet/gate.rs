@@ -106,7 +106,7 @@ impl GateConfig {
     }
 
     fn spread_for(&self, announced: Duration) -> Duration {
-        announced.mul_f64(self.spread_fraction).min(self.max_spread)
+        crate::time::mul_f64(announced, self.spread_fraction).min(self.max_spread)
     }
 }
 
@@ -160,9 +160,10 @@ impl Gate {
         if wait.is_zero() {
             return;
         }
-        let Some(until) = now.checked_add(wait) else {
-            return;
-        };
+        // A wait past what any request is held is held that long: a huge Retry-After still
+        // closes the gate.
+        let wait = wait.min(MAX_HOLD);
+        let until = now + wait;
         let mut closed = self.lock();
         if until > closed.until {
             *closed = Closed {
@@ -198,13 +199,31 @@ impl Gate {
     /// How long a waiter arriving at `now` waits, given the latest instant it may still be
     /// held to (`cap`): until the gate reopens or `cap`, whichever is sooner, plus its share
     /// of the spread. `None` when the gate is open, or `cap` has passed.
-    fn wait_for(&self, now: Instant, cap: Instant, random: &Random) -> Option<Instant> {
-        let closed = self.closed_at(now)?;
+    fn wait_for(
+        &self,
+        now: Instant,
+        cap: Instant,
+        deadline: Option<Instant>,
+        random: &Random,
+    ) -> Result<Option<Instant>, GateStop> {
+        let Some(closed) = self.closed_at(now) else {
+            return Ok(None);
+        };
         if cap <= now {
-            return None;
+            return Ok(None);
         }
-        let extra = closed.spread.mul_f64(random.sample());
-        Some(closed.until.min(cap) + extra)
+        // The gate only ever extends: a request whose deadline comes before its wait ends can
+        // never start in time, so it is told at once instead of after a wait in vain.
+        if deadline.is_some_and(|d| closed.until.min(cap) >= d) {
+            return Err(GateStop::Deadline);
+        }
+        let extra = crate::time::mul_f64(closed.spread, random.sample());
+        let until = closed.until.min(cap).checked_add(extra).unwrap_or(cap);
+        // The spread never pushes a request past its deadline: it leaves when the gate opens.
+        Ok(Some(match deadline {
+            Some(d) if until >= d => closed.until.min(cap),
+            _ => until,
+        }))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Closed> {
@@ -224,9 +243,14 @@ impl fmt::Debug for Gate {
 /// The longest a request is held at the gate, whatever its policy's ceiling.
 const MAX_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// The cancellation token fired while a request waited at the gate.
-#[derive(Debug)]
-pub(crate) struct GateCancelled;
+/// Why a request left the gate without its turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GateStop {
+    /// The cancellation token fired while it waited.
+    Cancelled,
+    /// The gate stays closed past the request's deadline.
+    Deadline,
+}
 
 pin_project! {
     /// A request waiting at the closed gate, as a state of the retry loop's future.
@@ -237,37 +261,45 @@ pin_project! {
         cancel: Option<WaitForCancellationFutureOwned>,
         fleet: Arc<Fleet>,
         cap: Instant,
+        deadline: Option<Instant>,
         random: Random,
     }
 }
 
 impl GateWait {
-    /// The wait at the gate before an attempt, or `None` when the gate is open.
+    /// The wait at the gate before an attempt, `Ok(None)` when the gate is open, or
+    /// [`GateStop::Deadline`] when it stays closed past `deadline`.
     pub(crate) fn start(
         fleet: &Arc<Fleet>,
         policy: &RetryPolicy,
+        deadline: Option<Instant>,
         cancel: Option<&CancellationToken>,
-    ) -> Option<Self> {
-        let gate = fleet.gate.as_ref()?;
+    ) -> Result<Option<Self>, GateStop> {
+        let Some(gate) = fleet.gate.as_ref() else {
+            return Ok(None);
+        };
         if gate.is_open_fast() {
-            return None;
+            return Ok(None);
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not switch the gate off by overflowing.
         let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
         let random = policy.random_source().clone();
-        let until = gate.wait_for(now, cap, &random)?;
+        let Some(until) = gate.wait_for(now, cap, deadline, &random)? else {
+            return Ok(None);
+        };
         tracing::debug!(
             wait_ms = (until - now).as_millis() as u64,
             "waiting at the cooldown gate"
         );
-        Some(GateWait {
+        Ok(Some(GateWait {
             sleep: tokio::time::sleep_until(until),
             cancel: cancel.map(|t| t.clone().cancelled_owned()),
             fleet: fleet.clone(),
             cap,
+            deadline,
             random,
-        })
+        }))
     }
 }
 
@@ -280,13 +312,13 @@ impl fmt::Debug for GateWait {
 }
 
 impl Future for GateWait {
-    type Output = Result<(), GateCancelled>;
+    type Output = Result<(), GateStop>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         if let Some(cancel) = this.cancel.as_mut().as_pin_mut() {
             if cancel.poll(cx).is_ready() {
-                return Poll::Ready(Err(GateCancelled));
+                return Poll::Ready(Err(GateStop::Cancelled));
             }
         }
         loop {
@@ -295,7 +327,7 @@ impl Future for GateWait {
             // of the new spread, but never past this request's cap.
             let gate = this.fleet.gate.as_ref().expect("a gate wait needs a gate");
             let now = Instant::now();
-            match gate.wait_for(now, *this.cap, this.random) {
+            match gate.wait_for(now, *this.cap, *this.deadline, this.random)? {
                 Some(until) => this.sleep.as_mut().reset(until),
                 None => return Poll::Ready(Ok(())),
             }

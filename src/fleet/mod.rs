@@ -71,7 +71,7 @@ use tokio::time::{Instant, Sleep};
 
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
-pub(crate) use self::gate::GateWait;
+pub(crate) use self::gate::{GateStop, GateWait};
 pub use self::limit::PacingConfig;
 use self::limit::Turn;
 
@@ -107,6 +107,11 @@ impl Fleet {
 
     pub(crate) fn gate_config(&self) -> Option<GateConfig> {
         self.gate.as_ref().map(|g| g.config.clone())
+    }
+
+    /// When the cooldown gate reopens, while it is closed.
+    pub(crate) fn gate_closed_until(&self) -> Option<Instant> {
+        self.gate.as_ref()?.closed_until()
     }
 
     pub(crate) fn pacing_config(&self) -> Option<PacingConfig> {

@@ -249,7 +249,7 @@ where
                 // so a slow consumer is never blamed on the server.
                 if !*this.armed {
                     *this.armed = true;
-                    let deadline = Instant::now() + timeout;
+                    let deadline = crate::time::after(Instant::now(), timeout);
                     match this.idle.as_mut() {
                         Some(sleep) => sleep.as_mut().reset(deadline),
                         None => *this.idle = Some(Box::pin(tokio::time::sleep_until(deadline))),

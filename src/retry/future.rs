@@ -22,7 +22,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
-use crate::fleet::{GateWait, Ticket};
+use crate::fleet::{GateStop, GateWait, Ticket};
 use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
 };
@@ -76,8 +76,9 @@ pin_project! {
         B::Error: Into<BoxError>,
     {
         Buffering { #[pin] prepare: PrepareBody<B> },
-        Passthrough { #[pin] future: F },
-        Ready,
+        // Before an attempt: waiting for the inner service to be ready, watching the caller's
+        // cancellation and the deadline once it has to wait.
+        Ready { watch: Option<Watch> },
         Calling {
             #[pin] future: F,
             // The head timeout, once armed, and how long it was armed for (the policy's, or
@@ -91,16 +92,45 @@ pin_project! {
         Peeking { peek: Box<PeekState<R>> },
         Sleeping {
             sleep: Pin<Box<Sleep>>,
-            cancel: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+            watch: Watch,
         },
         // Fleet: waiting at the closed cooldown gate before an attempt.
         Gated { wait: Pin<Box<GateWait>> },
         // Fleet: waiting for this attempt's turn of the adaptive pacing.
         Pacing {
             ticket: Ticket,
-            cancel: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+            watch: Watch,
         },
         Done,
+    }
+}
+
+/// What every wait of the loop also watches: the caller's cancellation and the request's
+/// deadline. Both are armed only when the loop has to wait, off the success path.
+struct Watch {
+    cancel: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    deadline: Option<Pin<Box<Sleep>>>,
+}
+
+/// Why a wait ended before its time.
+enum Stop {
+    Cancelled,
+    Deadline,
+}
+
+impl Watch {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Stop> {
+        if let Some(cancel) = self.cancel.as_mut() {
+            if cancel.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Stop::Cancelled);
+            }
+        }
+        if let Some(deadline) = self.deadline.as_mut() {
+            if deadline.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Stop::Deadline);
+            }
+        }
+        Poll::Pending
     }
 }
 
@@ -150,6 +180,9 @@ struct Ctx<S, C> {
     consecutive_overloads: u32,
     previous: Option<FailureClass>,
     replay_safe: bool,
+    // The body was too large to hold: the request is sent once, as it streams, and never
+    // retried, but still under the head timeout, the deadline and the fleet's admission.
+    one_shot: bool,
     trail: RetryTrail,
     started: Instant,
     deadline: Option<Instant>,
@@ -180,8 +213,7 @@ where
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
             State::Buffering { .. } => "buffering",
-            State::Passthrough { .. } => "passthrough",
-            State::Ready => "ready",
+            State::Ready { .. } => "ready",
             State::Calling { .. } => "calling",
             State::Peeking { .. } => "peeking",
             State::Sleeping { .. } => "sleeping",
@@ -231,6 +263,7 @@ where
             consecutive_overloads: 0,
             previous: None,
             replay_safe,
+            one_shot: false,
             trail: RetryTrail::default(),
             started,
             deadline,
@@ -263,17 +296,24 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Buffering { prepare } => match ready!(prepare.poll(cx)) {
-                    Ok(body) if !body.is_replayable() => {
-                        // Too big to hold: send it once, as it streams, and never retry it.
-                        ctx.held.set_body(body);
-                        let future = ctx.service.call(ctx.held.send(false));
-                        this.state.set(State::Passthrough { future });
-                    }
                     Ok(body) => {
+                        // Too big to hold: it is sent once, as it streams, and never retried.
+                        ctx.one_shot = !body.is_replayable();
                         ctx.held.set_body(body);
-                        if let Some(wait) = ctx.admit() {
-                            this.state.set(wait);
-                            continue;
+                        match ctx.admit() {
+                            Ok(Some(wait)) => {
+                                this.state.set(wait);
+                                continue;
+                            }
+                            Ok(None) => {}
+                            Err(stop) => {
+                                this.state.set(State::Done);
+                                return Poll::Ready(Err(ctx.stopped(stop)));
+                            }
+                        }
+                        if ctx.deadline_passed() {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.deadline_exceeded()));
                         }
                         // The service was polled ready before `call`; the first attempt
                         // uses that readiness.
@@ -285,28 +325,48 @@ where
                         return Poll::Ready(Err(e));
                     }
                 },
-                StateProj::Passthrough { future } => {
-                    let result = ready!(future.poll(cx));
-                    this.state.set(State::Done);
-                    let idle = ctx.policy().get_idle_timeout();
-                    return Poll::Ready(match result {
-                        Ok(res) => Ok(res.map(|b| RetryBody::plain(b, idle))),
-                        Err(e) => Err(finish_error(ErrorKind::Service, e.into(), None)),
-                    });
-                }
-                StateProj::Ready => {
-                    if ctx.is_cancelled() {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(ctx.cancelled()));
+                StateProj::Ready { watch } => {
+                    if watch.is_none() {
+                        if ctx.is_cancelled() {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.cancelled()));
+                        }
+                        match ctx.admit() {
+                            Ok(Some(wait)) => {
+                                this.state.set(wait);
+                                continue;
+                            }
+                            Ok(None) => {}
+                            Err(stop) => {
+                                this.state.set(State::Done);
+                                return Poll::Ready(Err(ctx.stopped(stop)));
+                            }
+                        }
+                        // No attempt starts after the deadline, whatever it waited for.
+                        if ctx.deadline_passed() {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.deadline_exceeded()));
+                        }
                     }
-                    if let Some(wait) = ctx.admit() {
-                        this.state.set(wait);
-                        continue;
-                    }
-                    if let Err(e) = ready!(ctx.service.poll_ready(cx)) {
-                        this.state.set(State::Done);
-                        let trail = Some(ctx.finished_trail());
-                        return Poll::Ready(Err(finish_error(ErrorKind::Service, e.into(), trail)));
+                    match ctx.service.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => {
+                            this.state.set(State::Done);
+                            let trail = Some(ctx.finished_trail());
+                            return Poll::Ready(Err(finish_error(
+                                ErrorKind::Service,
+                                e.into(),
+                                trail,
+                            )));
+                        }
+                        Poll::Pending => {
+                            // A service that is not ready is a wait like any other: the
+                            // caller's cancellation and the deadline end it.
+                            let watch = watch.get_or_insert_with(|| ctx.watch());
+                            let stop = ready!(watch.poll(cx));
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.stopped(stop)));
+                        }
                     }
                     let state = ctx.start_attempt();
                     this.state.set(state);
@@ -344,6 +404,25 @@ where
                     };
                     let span = std::mem::replace(span, Span::none());
                     match result {
+                        Ok(res) if ctx.one_shot => {
+                            // Sent once and never retried: nothing to peek or judge, but the
+                            // fleet still learns from the answer.
+                            let (head, body) = res.into_parts();
+                            span.record("http.response.status_code", head.status.as_u16());
+                            let c = ctx.config.classifier.classify_response(&head, None);
+                            ctx.config
+                                .fleet
+                                .observe(&head, c.retry_after(), ctx.policy());
+                            ctx.pacing_feedback(&c);
+                            this.state.set(State::Done);
+                            let body = RetryBody::plain(body, ctx.policy().get_idle_timeout());
+                            return Poll::Ready(Ok(Response::from_parts(head, body)));
+                        }
+                        Err(e) if ctx.one_shot => {
+                            ctx.paced = None;
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(finish_error(ErrorKind::Service, e, None)));
+                        }
                         Ok(res) => {
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
@@ -503,37 +582,35 @@ where
                         }
                     }
                 }
-                StateProj::Sleeping { sleep, cancel } => {
-                    if let Some(cancel) = cancel.as_mut() {
-                        if cancel.as_mut().poll(cx).is_ready() {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(ctx.cancelled()));
-                        }
+                StateProj::Sleeping { sleep, watch } => {
+                    if let Poll::Ready(stop) = watch.poll(cx) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.stopped(stop)));
                     }
                     ready!(sleep.as_mut().poll(cx));
-                    this.state.set(State::Ready);
+                    this.state.set(State::Ready { watch: None });
                 }
                 // Fleet: the gate reopened (or this request's wait is over); go through Ready
                 // to poll the service ready after the wait.
                 StateProj::Gated { wait } => {
-                    if ready!(wait.as_mut().poll(cx)).is_err() {
+                    if let Err(stop) = ready!(wait.as_mut().poll(cx)) {
                         this.state.set(State::Done);
-                        return Poll::Ready(Err(ctx.cancelled()));
+                        return Poll::Ready(Err(ctx.stopped(match stop {
+                            GateStop::Cancelled => Stop::Cancelled,
+                            GateStop::Deadline => Stop::Deadline,
+                        })));
                     }
                     ctx.gate_passed = true;
-                    this.state.set(State::Ready);
+                    this.state.set(State::Ready { watch: None });
                 }
                 // Fleet: this attempt's turn came; go through Ready to poll the service ready.
-                StateProj::Pacing { ticket, cancel } => {
-                    if cancel
-                        .as_mut()
-                        .is_some_and(|c| c.as_mut().poll(cx).is_ready())
-                    {
+                StateProj::Pacing { ticket, watch } => {
+                    if let Poll::Ready(stop) = watch.poll(cx) {
                         this.state.set(State::Done);
-                        return Poll::Ready(Err(ctx.cancelled()));
+                        return Poll::Ready(Err(ctx.stopped(stop)));
                     }
                     ctx.paced = Some(ready!(ticket.poll_turn(cx)));
-                    this.state.set(State::Ready);
+                    this.state.set(State::Ready { watch: None });
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -608,7 +685,7 @@ where
                 };
                 if !*armed {
                     *armed = true;
-                    let deadline = Instant::now() + timeout;
+                    let deadline = crate::time::after(Instant::now(), timeout);
                     match idle.as_mut() {
                         Some(sleep) => sleep.as_mut().reset(deadline),
                         None => *idle = Some(Box::pin(tokio::time::sleep_until(deadline))),
@@ -680,6 +757,62 @@ where
         Error::new(ErrorKind::Cancelled).with_trail(self.finished_trail())
     }
 
+    /// Whether the request's deadline has passed: no attempt may start.
+    fn deadline_passed(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The error for a request whose deadline passed, or would pass, before its next attempt
+    /// could start.
+    fn deadline_exceeded(&mut self) -> Error {
+        self.trail.set_gave_up(GiveUpReason::Deadline);
+        let limit = self.policy().get_deadline().unwrap_or_default();
+        tracing::warn!(
+            attempts = self.sent,
+            deadline_ms = limit.as_millis() as u64,
+            "LLM request deadline reached before an attempt could start"
+        );
+        let trail = self.finished_trail();
+        if let Some(observer) = &self.config.observer {
+            observer.on_give_up(&trail);
+        }
+        Error::new(ErrorKind::DeadlineExceeded)
+            .with_source(TimedOut::new(TimeoutKind::Deadline, limit))
+            .with_trail(trail)
+    }
+
+    /// The error for a wait that ended before its time.
+    fn stopped(&mut self, stop: Stop) -> Error {
+        match stop {
+            Stop::Cancelled => self.cancelled(),
+            Stop::Deadline => self.deadline_exceeded(),
+        }
+    }
+
+    /// What a wait watches besides its own end.
+    fn watch(&self) -> Watch {
+        Watch {
+            cancel: self.cancel_wait(),
+            deadline: self.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+        }
+    }
+
+    /// Fleet: tells the pacing how the attempt that had a turn ended.
+    fn pacing_feedback(&mut self, c: &Classification) {
+        let Some(epoch) = self.paced.take() else {
+            return;
+        };
+        if c.is_success() {
+            self.config.fleet.paced_success();
+        } else if matches!(
+            c.class(),
+            Some(FailureClass::RateLimited | FailureClass::Overloaded)
+        ) {
+            // A refusal for load slows the pacing.
+            self.config.fleet.paced_refusal(epoch, c.retry_after());
+        }
+    }
+
     fn finished_trail(&mut self) -> RetryTrail {
         let mut trail = std::mem::take(&mut self.trail);
         trail.set_total_attempts(self.sent);
@@ -727,7 +860,7 @@ where
             self.config.fleet.deposit();
         }
         self.gate_passed = false;
-        let last = self.attempt >= self.policy().get_max_retries();
+        let last = self.one_shot || self.attempt >= self.policy().get_max_retries();
         // The first attempt sends the caller's own request; a copy is kept while a retry can
         // follow.
         let (mut parts, body) = self.held.send(!last).into_parts();
@@ -783,7 +916,7 @@ where
         self.attempt += 1;
         State::Sleeping {
             sleep: Box::pin(tokio::time::sleep(delay)),
-            cancel: self.cancel_wait(),
+            watch: self.watch(),
         }
     }
 
@@ -834,7 +967,16 @@ where
             Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
         };
         if let Some(dl) = self.deadline {
-            if Instant::now() + delay >= dl {
+            // The retry would start after the sleep, or after the gate reopens (it is held
+            // there at most the policy's ceiling); neither may reach the deadline. A sum past
+            // what `Instant` can hold is past any deadline.
+            let now = Instant::now();
+            let after_sleep = now.checked_add(delay);
+            let after_gate = self.config.fleet.gate_closed_until().map(|until| {
+                now.checked_add(policy.get_retry_after_max())
+                    .map_or(until, |cap| until.min(cap))
+            });
+            if after_sleep.is_none_or(|t| t >= dl) || after_gate.is_some_and(|t| t >= dl) {
                 return Err(GiveUpReason::Deadline);
             }
         }
@@ -848,41 +990,50 @@ where
     /// Fleet: the wait before the next attempt, if any: at the cooldown gate while it is
     /// closed, then for a turn of the pacing. A pacing turn taken before the gate closed is
     /// spent: the attempt queues again after the gate, or everyone held would leave it at once.
-    fn admit<F, B, R>(&mut self) -> Option<State<F, B, R>>
+    ///
+    /// A wait that cannot end before the deadline is refused at once.
+    fn admit<F, B, R>(&mut self) -> Result<Option<State<F, B, R>>, Stop>
     where
         B: Body,
         B::Error: Into<BoxError>,
     {
-        if let Some(wait) = self.gate_wait() {
+        if let Some(wait) = self.gate_wait()? {
             self.paced = None;
-            return Some(State::Gated {
+            return Ok(Some(State::Gated {
                 wait: Box::pin(wait),
-            });
+            }));
         }
         if self.paced.is_some() {
-            return None;
+            return Ok(None);
         }
-        let ticket = self.config.fleet.ticket()?;
+        let Some(ticket) = self.config.fleet.ticket() else {
+            return Ok(None);
+        };
         tracing::trace!(
             rate = self.config.fleet.pacing_rate(),
             "joining the pacing line"
         );
-        Some(State::Pacing {
+        Ok(Some(State::Pacing {
             ticket,
-            cancel: self.cancel_wait(),
-        })
+            watch: self.watch(),
+        }))
     }
 
     /// Fleet: the wait at the cooldown gate before the next attempt, if it is closed.
-    fn gate_wait(&self) -> Option<GateWait> {
+    fn gate_wait(&self) -> Result<Option<GateWait>, Stop> {
         if self.gate_passed {
-            return None;
+            return Ok(None);
         }
         GateWait::start(
             &self.config.fleet,
             self.policy(),
+            self.deadline,
             self.config.cancel.as_ref(),
         )
+        .map_err(|stop| match stop {
+            GateStop::Cancelled => Stop::Cancelled,
+            GateStop::Deadline => Stop::Deadline,
+        })
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {
@@ -903,10 +1054,8 @@ where
         not_sent: bool,
         span: &Span,
     ) -> Verdict {
+        self.pacing_feedback(c);
         if c.is_success() {
-            if self.paced.take().is_some() {
-                self.config.fleet.paced_success();
-            }
             if self.attempt > 0 {
                 if let Some(observer) = &self.config.observer {
                     observer.on_recovered(self.sent);
@@ -917,12 +1066,6 @@ where
         }
         let class = c.class().unwrap_or(FailureClass::Other);
         span.record("error.type", class.as_str());
-        // Fleet: a refusal for load slows the pacing.
-        if let Some(epoch) = self.paced.take() {
-            if matches!(class, FailureClass::RateLimited | FailureClass::Overloaded) {
-                self.config.fleet.paced_refusal(epoch, c.retry_after());
-            }
-        }
         self.note_class(Some(class));
         self.trail.push(AttemptRecord {
             attempt: self.attempt,

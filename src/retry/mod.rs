@@ -105,6 +105,7 @@ use http::StatusCode;
 pub use self::body::RetryBody;
 pub(crate) use self::future::ResBodyOf;
 pub use self::future::{HttpResponse, ResponseFuture};
+#[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
 pub use self::policy::{

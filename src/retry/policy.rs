@@ -470,7 +470,7 @@ impl RetryPolicy {
             return base;
         }
         let factor = self.jitter.factor(self.random.sample());
-        base.mul_f64(factor.max(0.0))
+        crate::time::mul_f64(base, factor)
     }
 
     /// The sleep before retry `n` (1-based), given the `Retry-After` of the response that
