@@ -484,3 +484,73 @@ async fn a_failing_refresh_reaches_the_caller_as_it_is_for_a_body_sent_once() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(server.request_count(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_huge_retry_after_rests_the_key_for_at_most_a_day() {
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    // 1e19 s: a number the Retry-After parser takes, past what the clock can add.
+    let server = MockServer::start(limit_key("sk-a", "10000000000000000000"))
+        .await
+        .unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"]).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-a", "sk-b"]);
+    // sk-a rests: the next request goes to sk-b. A day later, sk-a is tried again.
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    tokio::time::sleep(DAY).await;
+    let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen_header(&server, "x-api-key"),
+        ["sk-a", "sk-b", "sk-b", "sk-a", "sk-b"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_that_never_seems_to_expire_is_sent_and_kept() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let url = server.url("/v1/messages");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    // An identity provider that says `"expires_in": 18446744073709551615`.
+    let source = RefreshingToken::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async {
+            Ok::<_, std::io::Error>(
+                Token::new("tok-forever").expires_in(Duration::from_secs(u64::MAX)),
+            )
+        }
+    });
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    for _ in 0..3 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&url, BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-forever"; 3]
+    );
+}

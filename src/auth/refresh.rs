@@ -6,9 +6,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::credential::{capped_add, MAX_REST};
 use super::{Credential, CredentialFuture, CredentialHeader, TokenSource};
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::retry::ConfigError;
+
+/// Token lifetimes beyond this count as this. A year is far enough ahead for any token, and far
+/// inside the clock's range, which an `expires_in` from a server need not be.
+const MAX_LIFETIME: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// A token as a refresh function returns it: the secret, and when it expires.
 ///
@@ -28,8 +33,13 @@ impl Token {
     }
 
     /// This token, expiring `lifetime` from now, as an OAuth `expires_in` says.
+    ///
+    /// A lifetime over a year (up to [`Duration::MAX`]) counts as a year: such a token is
+    /// refreshed ahead of expiry a year on. (Parse `expires_in` as an integer, or with
+    /// [`Duration::try_from_secs_f64`]: `Duration::from_secs_f64` panics on a huge or negative
+    /// number.)
     pub fn expires_in(mut self, lifetime: Duration) -> Self {
-        self.expires_at = Some(Instant::now() + lifetime);
+        self.expires_at = Some(capped_add(Instant::now(), lifetime, MAX_LIFETIME));
         self
     }
 
@@ -204,8 +214,8 @@ impl RefreshingToken {
     }
 
     /// How long refreshing rests after a failure: `initial`, doubling with each failure in a
-    /// row up to `max`. `initial` must be above zero and not exceed `max`. Defaults to 1 s
-    /// and 30 s.
+    /// row up to `max`, and never more than a day. `initial` must be above zero and not exceed
+    /// `max`. Defaults to 1 s and 30 s.
     pub fn failure_backoff(
         mut self,
         initial: Duration,
@@ -286,7 +296,7 @@ impl RefreshingToken {
                 );
                 let failure = Failure {
                     cause: Arc::from(cause),
-                    retry_at: now + backoff,
+                    retry_at: capped_add(now, backoff, MAX_REST),
                     count,
                 };
                 let err = failure.error();
@@ -458,6 +468,62 @@ mod tests {
         drop(first);
         assert!(second.await.is_ok());
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn huge_lifetimes_do_not_overflow() {
+        const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+        for lifetime in [Duration::from_secs(u64::MAX), Duration::MAX] {
+            let (source, calls) = counting(lifetime, false);
+            let source = source
+                .initial(Token::new("initial").expires_in(lifetime))
+                .unwrap();
+            let first = source.credential().await.unwrap();
+            let expiry = first.expiry().expect("a token that expires");
+            assert!(expiry >= Instant::now() + 364 * DAY, "{lifetime:?}");
+            // Far from expiry: the cached token, no refresh.
+            tokio::time::advance(300 * DAY).await;
+            assert_eq!(source.credential().await.unwrap(), first);
+            assert_eq!(calls.load(Ordering::SeqCst), 0);
+            // In the advisory window (100 s left): one refresh, whose huge lifetime is capped too.
+            let left = expiry - Instant::now();
+            tokio::time::advance(left - Duration::from_secs(100)).await;
+            let second = source.credential().await.unwrap();
+            assert_ne!(second, first);
+            assert_eq!(calls.load(Ordering::SeqCst), 1);
+            assert!(second.expiry().unwrap() >= Instant::now() + 364 * DAY);
+            assert_eq!(source.credential().await.unwrap(), second);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_with_no_lifetime_left_is_still_handed_out() {
+        let (source, calls) = counting(Duration::ZERO, false);
+        let source = source
+            .initial(Token::new("initial").expires_in(Duration::ZERO))
+            .unwrap();
+        // Expired from the start: each caller waits for a new one, and gets it.
+        for n in 1..=2 {
+            let c = source.credential().await.unwrap();
+            assert_eq!(c.expiry(), Some(Instant::now()));
+            assert_eq!(calls.load(Ordering::SeqCst), n);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_huge_failure_backoff_does_not_overflow() {
+        let (source, calls) = counting(Duration::from_secs(600), true);
+        let source = source
+            .failure_backoff(Duration::MAX, Duration::MAX)
+            .unwrap();
+        let err = source.credential().await.unwrap_err();
+        assert_eq!(
+            err.downcast::<Error>().unwrap().kind(),
+            ErrorKind::TokenRefresh
+        );
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(source.credential().await.is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
     #[test]
