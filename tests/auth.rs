@@ -484,3 +484,178 @@ async fn a_failing_refresh_reaches_the_caller_as_it_is_for_a_body_sent_once() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(server.request_count(), 0);
 }
+
+/// A source that starts with `tok-old` and whose every call takes `latency` (forever when
+/// `None`), handing out `tok-new-1`, `tok-new-2`, …, counting its calls.
+fn slow_refreshing(latency: Option<Duration>) -> (RefreshingToken, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let source = RefreshingToken::new(move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            match latency {
+                Some(latency) => tokio::time::sleep(latency).await,
+                None => std::future::pending().await,
+            }
+            Ok::<_, std::io::Error>(
+                Token::new(format!("tok-new-{n}")).expires_in(Duration::from_secs(3600)),
+            )
+        }
+    })
+    .initial(Token::new("tok-old").expires_in(Duration::from_secs(3600)))
+    .unwrap();
+    (source, calls)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refresh_survives_requests_that_time_out_waiting_for_it() {
+    let server =
+        MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
+            .await
+            .unwrap();
+    // The identity provider takes 300 ms; every caller gives up after 100 ms.
+    let (source, calls) = slow_refreshing(Some(Duration::from_millis(300)));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let patience = Duration::from_millis(100);
+    let start = tokio::time::Instant::now();
+    // The first request is answered 401, the second finds no token: both wait for the
+    // refresh, and give up.
+    for _ in 0..2 {
+        let req = svc.clone().oneshot(anthropic_request(&url, BODY));
+        assert!(tokio::time::timeout(patience, req).await.is_err());
+    }
+    assert_eq!(start.elapsed(), Duration::from_millis(200));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The refresh finished while nobody waited; the next request is sent with its token at
+    // once.
+    let res = tokio::time::timeout(patience, svc.oneshot(anthropic_request(&url, BODY)))
+        .await
+        .expect("the refreshed token is there for the next request")
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-old", "Bearer tok-new-1"]
+    );
+    let seen = server.requests();
+    assert_eq!(
+        seen[1].received_at - seen[0].received_at,
+        Duration::from_millis(350)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_identity_provider_fails_the_request_after_the_refresh_timeout() {
+    let server = MockServer::start(Script::new().require_header("authorization", ["never"]))
+        .await
+        .unwrap();
+    let (source, calls) = slow_refreshing(None);
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let start = tokio::time::Instant::now();
+    let err = tokio::time::timeout(
+        Duration::from_secs(120),
+        svc.clone().oneshot(anthropic_request(&url, BODY)),
+    )
+    .await
+    .expect("the refresh gave up by itself")
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+    assert_eq!(start.elapsed(), Duration::from_secs(30));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(server.request_count(), 1);
+    // Within the backoff (1 s) a request fails at once, without calling the provider.
+    let err = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TokenRefresh);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // After it, the next request tries again (and gives up on its own, 100 ms later).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let next = svc.oneshot(anthropic_request(&url, BODY));
+    assert!(tokio::time::timeout(Duration::from_millis(100), next)
+        .await
+        .is_err());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_huge_retry_after_rests_the_key_for_at_most_a_day() {
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    // 1e19 s: a number the Retry-After parser takes, past what the clock can add.
+    let server = MockServer::start(limit_key("sk-a", "10000000000000000000"))
+        .await
+        .unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"]).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-a", "sk-b"]);
+    // sk-a rests: the next request goes to sk-b. A day later, sk-a is tried again.
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    tokio::time::sleep(DAY).await;
+    let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen_header(&server, "x-api-key"),
+        ["sk-a", "sk-b", "sk-b", "sk-a", "sk-b"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_that_never_seems_to_expire_is_sent_and_kept() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let url = server.url("/v1/messages");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    // An identity provider that says `"expires_in": 18446744073709551615`.
+    let source = RefreshingToken::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async {
+            Ok::<_, std::io::Error>(
+                Token::new("tok-forever").expires_in(Duration::from_secs(u64::MAX)),
+            )
+        }
+    });
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(source))
+        .service(http_client());
+    for _ in 0..3 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&url, BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        seen_header(&server, "authorization"),
+        ["Bearer tok-forever"; 3]
+    );
+}

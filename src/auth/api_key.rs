@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::credential::{capped_add, MAX_REST};
 use super::{Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource};
 
 /// One static API key.
@@ -56,8 +57,8 @@ impl fmt::Debug for ApiKey {
 /// Several API keys for one provider, used in turn.
 ///
 /// Each request takes the next key that is not resting. When a key is rate-limited (a `429`
-/// that is not an exhausted quota) it rests for the `Retry-After` the server sent, and the
-/// request is re-sent at once with the next usable key; when every key is resting, the `429`
+/// that is not an exhausted quota) it rests for the `Retry-After` the server sent (at most a
+/// day), and the request is re-sent at once with the next usable key; when every key is resting, the `429`
 /// goes back up, to `RetryLayer`'s ordinary backoff. A key answered with `401` is set aside
 /// for good (while another key is left); the request is then re-sent once with another key.
 ///
@@ -117,8 +118,8 @@ impl ApiKeyPool {
         })
     }
 
-    /// How long a rate-limited key rests when the `429` says no `Retry-After`. Defaults to
-    /// 5 s.
+    /// How long a rate-limited key rests when the `429` says no `Retry-After`. A rest, this one
+    /// or a server's, lasts at most a day. Defaults to 5 s.
     pub fn default_rest(mut self, rest: Duration) -> Self {
         self.default_rest = rest;
         self
@@ -198,7 +199,7 @@ impl TokenSource for ApiKeyPool {
         };
         let now = Instant::now();
         let mut st = self.state();
-        let until = now + retry_after.unwrap_or(self.default_rest);
+        let until = capped_add(now, retry_after.unwrap_or(self.default_rest), MAX_REST);
         st.resting_until[i] = Some(st.resting_until[i].map_or(until, |u| u.max(until)));
         st.any_usable(now)
     }
@@ -224,6 +225,12 @@ impl fmt::Debug for ApiKeyPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl ApiKeyPool {
+        fn any_usable_now(&self) -> bool {
+            self.state().any_usable(Instant::now())
+        }
+    }
 
     async fn key(pool: &ApiKeyPool) -> usize {
         pool.credential().await.unwrap().key_index().unwrap()
@@ -262,6 +269,26 @@ mod tests {
         assert!(!pool.rate_limited(&b, Some(Duration::from_secs(3))));
         assert_eq!(key(&pool).await, 1);
         assert_eq!(key(&pool).await, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn huge_rests_do_not_overflow() {
+        const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+        let pool = ApiKeyPool::new(["a", "b"])
+            .unwrap()
+            .default_rest(Duration::MAX);
+        let a = pool.credential().await.unwrap();
+        let b = pool.credential().await.unwrap();
+        // A server's Retry-After as large as the parser takes, and no Retry-After at all.
+        assert!(pool.rate_limited(&a, Some(Duration::from_secs(u64::MAX))));
+        assert!(!pool.rate_limited(&b, None));
+        assert!(!pool.rate_limited(&a, Some(Duration::MAX)));
+        // Both rest for at most a day, then are used again.
+        tokio::time::advance(DAY - Duration::from_secs(1)).await;
+        assert!(!pool.any_usable_now());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(pool.any_usable_now());
+        assert_eq!([key(&pool).await, key(&pool).await], [0, 1]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -60,6 +60,18 @@ impl std::error::Error for InvalidCredential {}
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// The longest a key rests or refreshing backs off, whatever a server or a setting asks: a day,
+/// as the cooldown gate's hold.
+pub(super) const MAX_REST: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// `now + wait`, with `wait` first capped at `cap`. The waits come from servers (`Retry-After`,
+/// `expires_in`) and settings, and `Instant + Duration` panics past the end of the clock. The
+/// caps are a day or a year, far inside any clock's range; `now` is only a fallback that cannot
+/// panic.
+pub(super) fn capped_add(now: Instant, wait: Duration, cap: Duration) -> Instant {
+    now.checked_add(wait.min(cap)).unwrap_or(now)
+}
+
 /// One credential, ready to be put on a request: the header, its value (marked sensitive, so
 /// HTTP/2 never indexes it and `Debug` never prints it) and, for a token, when it expires.
 ///
