@@ -1,0 +1,241 @@
+//! Extreme durations in every setter, against hostile `Retry-After` values from a real server
+//! on 127.0.0.1: nothing panics (no `Instant + Duration` or `Duration × f64` overflow), every
+//! request ends, no sleep exceeds the documented ceilings, and nothing reaches the server after
+//! the request's deadline. Paused time, so a wait of "forever" costs nothing.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use proptest::prelude::*;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::fleet::{GateConfig, PacingConfig};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::{AboveCeiling, Jitter, Random};
+use tower_llm_retry::{
+    ContextOverflowLayer, ModelFallbackLayer, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
+};
+
+fn duration() -> impl Strategy<Value = Duration> {
+    prop_oneof![
+        Just(Duration::ZERO),
+        Just(Duration::from_nanos(1)),
+        Just(Duration::from_millis(1)),
+        Just(Duration::from_secs(1)),
+        Just(Duration::from_secs(60)),
+        Just(Duration::from_secs(86_400)),
+        Just(Duration::from_secs(u64::from(u32::MAX))),
+        Just(Duration::from_secs(u64::MAX)),
+        Just(Duration::MAX),
+        (0u64..u64::MAX).prop_map(Duration::from_secs),
+    ]
+}
+
+fn hostile_retry_after() -> impl Strategy<Value = (&'static str, String)> {
+    let value = prop_oneof![
+        Just("0".to_owned()),
+        Just("-1".to_owned()),
+        Just("NaN".to_owned()),
+        Just("inf".to_owned()),
+        Just("1e300".to_owned()),
+        Just("18446744073709551615".to_owned()),
+        Just("99999999999999999999999".to_owned()),
+        Just("0.000000001".to_owned()),
+        Just("Fri, 31 Dec 9999 23:59:59 GMT".to_owned()),
+        Just("Thu, 01 Jan 1970 00:00:00 GMT".to_owned()),
+        (0u64..u64::MAX).prop_map(|n| n.to_string()),
+        "[ -~]{0,24}",
+    ];
+    (
+        prop_oneof![Just("retry-after"), Just("retry-after-ms")],
+        value,
+    )
+}
+
+fn jitter() -> impl Strategy<Value = Jitter> {
+    prop_oneof![
+        Just(Jitter::none()),
+        (0.0f64..=1.0).prop_map(|f| Jitter::add(f).unwrap()),
+        (0.0f64..=1.0).prop_map(|f| Jitter::subtract(f).unwrap()),
+        (0.0f64..=1.0).prop_map(|f| Jitter::symmetric(f).unwrap()),
+    ]
+}
+
+/// The delays the loop announced.
+#[derive(Clone, Default)]
+struct Delays(Arc<Mutex<Vec<Duration>>>);
+
+impl RetryObserver for Delays {
+    fn on_retry(&self, e: &RetryEvent<'_>) {
+        self.0.lock().unwrap().push(e.delay);
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Setup {
+    initial: Duration,
+    max_backoff: Duration,
+    jitter: Jitter,
+    sample: f64,
+    ra_min: Duration,
+    ra_max: Duration,
+    above: u8,
+    floor: bool,
+    head: Duration,
+    idle: Duration,
+    deadline: Option<Duration>,
+    spread: f64,
+    max_spread: Duration,
+    sticky: Duration,
+    pacing: bool,
+    replies: Vec<(&'static str, String)>,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    (
+        (duration(), duration(), jitter(), 0.0f64..1.0, duration(), duration()),
+        (0u8..3, any::<bool>()),
+        // A head or idle timeout of `None` waits forever by design, and the script stalls a
+        // body: both are set here, to values as extreme as the rest.
+        (duration(), duration(), proptest::option::of(duration())),
+        (0.0f64..=10.0, duration(), duration(), any::<bool>()),
+        proptest::collection::vec(hostile_retry_after(), 1..4),
+    )
+        .prop_map(
+            |(
+                (initial, max_backoff, jitter, sample, ra_min, ra_max),
+                (above, floor),
+                (head, idle, deadline),
+                (spread, max_spread, sticky, pacing),
+                replies,
+            )| Setup {
+                initial,
+                max_backoff,
+                jitter,
+                sample,
+                ra_min,
+                ra_max,
+                above,
+                floor,
+                head,
+                idle,
+                deadline,
+                spread,
+                max_spread,
+                sticky,
+                pacing,
+                replies,
+            },
+        )
+}
+
+/// The documented ceiling of one sleep: the backoff at its maximum with jitter, or the
+/// `Retry-After` as the policy clamps it, whichever is larger.
+fn ceiling(s: &Setup, jitter_max: f64) -> Duration {
+    let backoff = Duration::try_from_secs_f64(s.max_backoff.as_secs_f64() * jitter_max)
+        .unwrap_or(Duration::MAX);
+    backoff.max(s.ra_max.max(s.ra_min))
+}
+
+fn run(s: Setup) -> Result<(), TestCaseError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        // 429s and 529s with hostile Retry-After values, a body that stalls after its first
+        // byte (the idle timeout), then a success.
+        let mut script = Script::new();
+        for (i, (name, value)) in s.replies.iter().enumerate() {
+            let reply = if i % 2 == 0 {
+                Reply::rate_limited("1")
+            } else {
+                Reply::overloaded()
+            };
+            let reply = match http::HeaderValue::from_str(value) {
+                Ok(_) => reply.header(name, value),
+                Err(_) => reply,
+            };
+            script = script.then(reply);
+        }
+        let script = script
+            .then(Reply::stall_mid_body(200, "{"))
+            .then(Reply::success());
+        let server = MockServer::start(script).await.unwrap();
+
+        let sample = s.sample;
+        let above = match s.above {
+            0 => AboveCeiling::GiveUp,
+            1 => AboveCeiling::UseBackoff,
+            _ => AboveCeiling::Clamp,
+        };
+        let policy = RetryPolicy::default()
+            .max_retries(6)
+            .initial_backoff(s.initial)
+            .max_backoff(s.max_backoff)
+            .jitter(s.jitter)
+            .random(Random::from_fn(move || sample))
+            .retry_after_min(s.ra_min)
+            .retry_after_max(s.ra_max)
+            .above_ceiling(above)
+            .backoff_is_floor(s.floor)
+            .head_timeout(Some(s.head))
+            .idle_timeout(Some(s.idle))
+            .deadline(s.deadline);
+        let jitter_max = 1.0 + 1.0; // every jitter mode stays within ×[0, 2]
+        let delays = Delays::default();
+        let gate = GateConfig::new().spread(s.spread, s.max_spread).unwrap();
+        let pacing = s.pacing.then(PacingConfig::new);
+        let svc = ServiceBuilder::new()
+            .layer(
+                RetryLayer::new()
+                    .policy(policy)
+                    .observer(delays.clone())
+                    .cooldown_gate(Some(gate))
+                    .pacing(pacing),
+            )
+            .layer(
+                ModelFallbackLayer::new(["claude-haiku-4-5"])
+                    .unwrap()
+                    .threshold(1)
+                    .unwrap()
+                    .sticky(s.sticky),
+            )
+            .layer(ContextOverflowLayer::new())
+            .service(http_client());
+        let start = tokio::time::Instant::now();
+        for _ in 0..2 {
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            // Every request ends: with a response (whose body is read to its end or its
+            // error) or a typed error.
+            if let Ok(res) = svc.clone().oneshot(req).await {
+                let _ = drain(res.into_body()).await;
+            }
+        }
+        let bound = ceiling(&s, jitter_max);
+        for d in delays.0.lock().unwrap().iter() {
+            prop_assert!(*d <= bound, "slept {d:?}, above the ceiling {bound:?} for {s:?}");
+        }
+        if let Some(deadline) = s.deadline {
+            // The first request's attempts all start before its deadline.
+            let first_end = start.checked_add(deadline);
+            let requests = server.requests();
+            if let (Some(end), Some(first)) = (first_end, requests.first()) {
+                prop_assert!(first.received_at <= end);
+            }
+        }
+        Ok(())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn extreme_durations_never_panic_or_overwait(s in setup()) {
+        run(s)?;
+    }
+}
