@@ -225,7 +225,7 @@ pub(crate) struct Pacer {
     config: PacingConfig,
     state: Mutex<State>,
     // The last stated limit taken in (0: none), so that answers repeating it, as every
-    // answer does, cost a load and not the lock.
+    // answer does, cost a load and not the lock. Written only under the lock, with the cap.
     stated_limit: AtomicU64,
 }
 
@@ -444,13 +444,24 @@ impl Pacer {
         let Some(period) = self.config.limit_period else {
             return;
         };
-        // The rate never grows past the stated cap, so the same limit again changes nothing.
-        if self.stated_limit.swap(limit, Ordering::Relaxed) == limit {
+        // The rate never grows past the stated cap, so the same limit again changes nothing:
+        // a load, not the lock.
+        if self.stated_limit.load(Ordering::Relaxed) == limit {
             return;
         }
+        #[cfg(test)]
+        tests::before_limit_lock();
         // Not clamped to `min`: a key allowed fewer requests than that is paced at its limit.
         let cap = (limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.config.max);
         let mut s = self.lock();
+        // The record of the last limit and the cap in force change together, under the lock:
+        // were the record swapped before it, two limits arriving together could leave the
+        // record saying one and the cap the other, and every later answer, matching the record,
+        // would leave the stale cap in force.
+        if self.stated_limit.load(Ordering::Relaxed) == limit {
+            return;
+        }
+        self.stated_limit.store(limit, Ordering::Relaxed);
         s.stated = Some(cap);
         if s.rate > cap {
             s.rate = cap;
@@ -473,6 +484,18 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::task::Wake;
+
+    thread_local! {
+        /// Run once by the next `on_limit` between its check of the last limit and its lock.
+        static BEFORE_LIMIT_LOCK: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    pub(super) fn before_limit_lock() {
+        if let Some(f) = BEFORE_LIMIT_LOCK.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
 
     #[test]
     fn validation() {
@@ -803,5 +826,27 @@ mod tests {
         assert!(p.rate() <= 0.5);
         assert!(PacingConfig::new().rates(1e-20, 1e-20, 1.0).is_err());
         assert!(PacingConfig::new().rates(0.001, 0.001, 1.0).is_ok());
+    }
+
+    #[test]
+    fn two_stated_limits_arriving_together_leave_the_later_one_in_force() {
+        let p = Arc::new(Pacer::new(PacingConfig::new()));
+        // One answer states 600 a minute; while it is between its check and the lock, another
+        // states 60 a minute and is taken in whole.
+        let other = p.clone();
+        BEFORE_LIMIT_LOCK.with(|h| *h.borrow_mut() = Some(Box::new(move || other.on_limit(60))));
+        p.on_limit(600);
+        // Whichever went second under the lock is in force, and the record of the last limit
+        // taken in agrees with it ...
+        let (cap, last) = (p.lock().stated, p.stated_limit.load(Ordering::Relaxed));
+        assert_eq!(
+            cap,
+            Some(last as f64 / 60.0),
+            "{cap:?} in force, {last} recorded"
+        );
+        // ... so every later answer, which states 60 again, puts 1/s in force.
+        p.on_limit(60);
+        assert_eq!(p.lock().stated, Some(1.0));
+        assert_eq!(p.rate(), 1.0);
     }
 }
