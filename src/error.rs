@@ -57,6 +57,12 @@ pub enum ErrorKind {
     /// The source is a [`FallbackTriggered`] naming both, also reachable through
     /// [`Error::fallback_triggered`].
     FallbackTriggered,
+    /// The attempt's turn in the fleet's [pacing](crate::fleet::PacingConfig) line would come
+    /// later than the request may wait: its policy's
+    /// [`retry_after_max`](crate::RetryPolicy::retry_after_max), or what is left of its
+    /// [`deadline`](crate::RetryPolicy::deadline) when that is sooner. Nothing more was sent;
+    /// [`Error::trail`] lists the attempts that failed before, if any.
+    PacingWaitTooLong,
 }
 
 impl ErrorKind {
@@ -74,6 +80,7 @@ impl ErrorKind {
             ErrorKind::FallbackExhausted => "fallback_exhausted",
             ErrorKind::ResponseBody => "response_body",
             ErrorKind::FallbackTriggered => "fallback_triggered",
+            ErrorKind::PacingWaitTooLong => "pacing_wait_too_long",
         }
     }
 
@@ -90,6 +97,9 @@ impl ErrorKind {
             ErrorKind::FallbackExhausted => "every fallback model was overloaded",
             ErrorKind::ResponseBody => "failed to read the response body",
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
+            ErrorKind::PacingWaitTooLong => {
+                "the turn in the pacing line is further off than the request may wait"
+            }
         }
     }
 }
@@ -190,6 +200,11 @@ impl Error {
     /// Returns true for [`ErrorKind::FallbackTriggered`].
     pub fn is_fallback_triggered(&self) -> bool {
         self.kind() == ErrorKind::FallbackTriggered
+    }
+
+    /// Returns true for [`ErrorKind::PacingWaitTooLong`].
+    pub fn is_pacing_wait_too_long(&self) -> bool {
+        self.kind() == ErrorKind::PacingWaitTooLong
     }
 
     /// The models to switch between, for an [`ErrorKind::FallbackTriggered`] error.
@@ -315,6 +330,9 @@ pub enum GiveUpReason {
     Cancelled,
     /// The next retry could not start before the request's deadline.
     Deadline,
+    /// The attempt's turn in the fleet's pacing line would come later than the request may
+    /// wait ([`ErrorKind::PacingWaitTooLong`]).
+    PacingWaitTooLong,
 }
 
 /// A per-attempt timeout fired: no response head in time, or a body went quiet.

@@ -532,8 +532,25 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.cancelled()));
                     }
-                    ctx.paced = Some(ready!(ticket.poll_turn(cx)));
-                    this.state.set(State::Ready);
+                    match ready!(ticket.poll_turn(cx)) {
+                        Ok(epoch) => {
+                            ctx.paced = Some(epoch);
+                            this.state.set(State::Ready);
+                        }
+                        // The turn would come later than this request may wait.
+                        Err(refused) => {
+                            this.state.set(State::Done);
+                            ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
+                            let trail = ctx.finished_trail();
+                            if ctx.attempt > 0 {
+                                if let Some(observer) = &ctx.config.observer {
+                                    observer.on_give_up(&trail);
+                                }
+                            }
+                            let err = Error::new(ErrorKind::PacingWaitTooLong).with_source(refused);
+                            return Poll::Ready(Err(err.with_trail(trail)));
+                        }
+                    }
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -862,7 +879,7 @@ where
         if self.paced.is_some() {
             return None;
         }
-        let ticket = self.config.fleet.ticket()?;
+        let ticket = self.config.fleet.ticket(self.policy(), self.deadline)?;
         tracing::trace!(
             rate = self.config.fleet.pacing_rate(),
             "joining the pacing line"
