@@ -63,6 +63,13 @@ pub enum ErrorKind {
     /// it. The source is a [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists
     /// the attempts made before.
     DeadlineExceeded,
+    /// The attempt's turn in the fleet's [pacing](crate::fleet::PacingConfig) line would come
+    /// later than the request may wait: its policy's
+    /// [`retry_after_max`](crate::RetryPolicy::retry_after_max). (When the request's
+    /// [`deadline`](crate::RetryPolicy::deadline) is the nearer bound, the error is
+    /// [`DeadlineExceeded`](ErrorKind::DeadlineExceeded).) Nothing more was sent;
+    /// [`Error::trail`] lists the attempts that failed before, if any.
+    PacingWaitTooLong,
 }
 
 impl ErrorKind {
@@ -81,6 +88,7 @@ impl ErrorKind {
             ErrorKind::ResponseBody => "response_body",
             ErrorKind::FallbackTriggered => "fallback_triggered",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
+            ErrorKind::PacingWaitTooLong => "pacing_wait_too_long",
         }
     }
 
@@ -99,6 +107,9 @@ impl ErrorKind {
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
             ErrorKind::DeadlineExceeded => {
                 "the request's deadline passed before an attempt could start"
+            }
+            ErrorKind::PacingWaitTooLong => {
+                "the turn in the pacing line is further off than the request may wait"
             }
         }
     }
@@ -205,6 +216,11 @@ impl Error {
     /// Returns true for [`ErrorKind::DeadlineExceeded`].
     pub fn is_deadline_exceeded(&self) -> bool {
         self.kind() == ErrorKind::DeadlineExceeded
+    }
+
+    /// Returns true for [`ErrorKind::PacingWaitTooLong`].
+    pub fn is_pacing_wait_too_long(&self) -> bool {
+        self.kind() == ErrorKind::PacingWaitTooLong
     }
 
     /// The models to switch between, for an [`ErrorKind::FallbackTriggered`] error.
@@ -330,6 +346,9 @@ pub enum GiveUpReason {
     Cancelled,
     /// The next retry could not start before the request's deadline.
     Deadline,
+    /// The attempt's turn in the fleet's pacing line would come later than the request may
+    /// wait ([`ErrorKind::PacingWaitTooLong`]).
+    PacingWaitTooLong,
 }
 
 /// A per-attempt timeout fired: no response head in time, or a body went quiet.

@@ -95,7 +95,14 @@ struct Setup {
 
 fn setup() -> impl Strategy<Value = Setup> {
     (
-        (duration(), duration(), jitter(), 0.0f64..1.0, duration(), duration()),
+        (
+            duration(),
+            duration(),
+            jitter(),
+            0.0f64..1.0,
+            duration(),
+            duration(),
+        ),
         (0u8..3, any::<bool>()),
         // A head or idle timeout of `None` waits forever by design, and the script stalls a
         // body: both are set here, to values as extreme as the rest.
@@ -217,7 +224,10 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
         }
         let bound = ceiling(&s, jitter_max);
         for d in delays.0.lock().unwrap().iter() {
-            prop_assert!(*d <= bound, "slept {d:?}, above the ceiling {bound:?} for {s:?}");
+            prop_assert!(
+                *d <= bound,
+                "slept {d:?}, above the ceiling {bound:?} for {s:?}"
+            );
         }
         if let Some(deadline) = s.deadline {
             // The first request's attempts all start before its deadline.

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::{BudgetConfig, GateConfig};
+use tower_llm_retry::fleet::{BudgetConfig, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{Jitter, Random};
 use tower_llm_retry::{
@@ -935,4 +935,258 @@ async fn a_pacing_line_whose_head_keeps_leaving_still_serves_everyone_left() {
             "{k}: {got:?}"
         );
     }
+}
+
+/// Every answer states a request limit of `per_minute`.
+fn stating(per_minute: &str) -> Reply {
+    Reply::success().header("anthropic-ratelimit-requests-limit", per_minute)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stated_limit_of_one_a_minute_refuses_at_once_what_would_wait_past_the_ceiling() {
+    // Every answer states 1 request a minute; the default policy lets a request wait 60 s.
+    let server = MockServer::start(Script::always(stating("1")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(PacingConfig::new())),
+        )
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let origin = Instant::now();
+    // The first goes at once, and its answer caps the rate at one a minute.
+    let res = svc.clone().oneshot(anthropic_request(&url, BODY)).await;
+    assert_eq!(res.unwrap().status(), StatusCode::OK);
+    // The second has the turn scheduled at 50/s before the limit was known (20 ms). The third
+    // would go a minute after it, 60.02 s from now: refused as it joins, nothing sent.
+    let second = tokio::spawn(svc.clone().oneshot(anthropic_request(&url, BODY)));
+    tokio::task::yield_now().await;
+    let err = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(Instant::now() - origin, Duration::ZERO);
+    assert_eq!(err.kind(), ErrorKind::PacingWaitTooLong);
+    assert!(err.is_pacing_wait_too_long());
+    let trail = err.trail().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::PacingWaitTooLong));
+    assert_eq!((trail.total_attempts(), trail.attempts().len()), (0, 0));
+    assert_eq!(second.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_millis(20));
+    // The next turn is at 60.02 s. A request whose deadline is 30 s away is refused at once,
+    // with its deadline's error ...
+    let mut req = anthropic_request(&url, BODY);
+    req.extensions_mut()
+        .insert(no_jitter().deadline(Some(Duration::from_secs(30))));
+    let err = svc.clone().oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
+    assert_eq!(err.trail().unwrap().gave_up(), Some(GiveUpReason::Deadline));
+    assert_eq!(Instant::now() - origin, Duration::from_millis(20));
+    // ... and one that may wait the 60 s waits exactly that.
+    let res = svc.clone().oneshot(anthropic_request(&url, BODY)).await;
+    assert_eq!(res.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        arrivals(&server, origin),
+        [
+            Duration::ZERO,
+            Duration::from_millis(20),
+            Duration::from_millis(60_020)
+        ]
+    );
+}
+
+/// Notifies like [`RetryPlanned`] and records like [`Recorder`].
+#[derive(Debug, Clone, Default)]
+struct PlannedAndRecorded(RetryPlanned, Recorder);
+
+impl RetryObserver for PlannedAndRecorded {
+    fn on_retry(&self, e: &RetryEvent<'_>) {
+        self.1.on_retry(e);
+        self.0.on_retry(e);
+    }
+    fn on_recovered(&self, total: u32) {
+        self.1.on_recovered(total);
+    }
+    fn on_give_up(&self, trail: &RetryTrail) {
+        self.1.on_give_up(trail);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_whose_pacing_turn_is_past_the_ceiling_gives_up_with_its_trail() {
+    // The first answer is a 503 stating 1 request a minute; the policy lets a request wait 30 s
+    // for anything. Its retry is due 0.5 s later, when the next turn is 60.02 s away.
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::status(503).header("anthropic-ratelimit-requests-limit", "1"))
+            .otherwise(stating("1")),
+    )
+    .await
+    .unwrap();
+    let seen = PlannedAndRecorded::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter().retry_after_max(Duration::from_secs(30)))
+                .observer(seen.clone())
+                .pacing(Some(PacingConfig::new())),
+        )
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let origin = Instant::now();
+    let notified = seen.0 .0.notified();
+    let first = {
+        let svc = svc.clone();
+        let req = anthropic_request(&url, BODY);
+        tokio::spawn(async move { (svc.oneshot(req).await, Instant::now()) })
+    };
+    notified.await;
+    // Another request takes the turn at 20 ms; the one after it is a minute later.
+    let res = svc.clone().oneshot(anthropic_request(&url, BODY)).await;
+    assert_eq!(res.unwrap().status(), StatusCode::OK);
+    let (outcome, at) = first.await.unwrap();
+    let err = outcome.unwrap_err();
+    // Given up when the retry joined the line, after its 0.5 s backoff.
+    assert_eq!(at - origin, Duration::from_millis(500));
+    assert_eq!(err.kind(), ErrorKind::PacingWaitTooLong);
+    let trail = err.trail().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::PacingWaitTooLong));
+    assert_eq!(trail.total_attempts(), 1);
+    assert_eq!(trail.attempts().len(), 1);
+    assert_eq!(
+        trail.attempts()[0].status,
+        Some(StatusCode::SERVICE_UNAVAILABLE)
+    );
+    assert_eq!(trail.attempts()[0].delay, Some(Duration::from_millis(500)));
+    assert_eq!(
+        seen.1.seen(),
+        [
+            Seen::Retry {
+                attempt: 0,
+                class: tower_llm_retry::FailureClass::Server,
+                status: Some(StatusCode::SERVICE_UNAVAILABLE),
+                retry_after: None,
+                delay: Duration::from_millis(500),
+                max_retries: 10,
+            },
+            Seen::GaveUp(trail.clone()),
+        ]
+    );
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_behind_others_gives_up_at_its_own_bound() {
+    // One request a second; the second answer states 6 a minute. The fifth request may wait
+    // 5 s, the others 60 s. When they join, the fifth's turn is expected at 4 s, and it is
+    // let in; the 6-a-minute limit then puts the fourth's turn at 12 s, and the fifth, still
+    // behind it, gives up at exactly 5 s.
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::success())
+            .then(Reply::success().header("x-ratelimit-limit-requests", "6")),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap())),
+        )
+        .service(http_client());
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for k in 0..5 {
+        let svc = svc.clone();
+        let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+        if k == 4 {
+            req.extensions_mut()
+                .insert(no_jitter().retry_after_max(Duration::from_secs(5)));
+        }
+        tasks.spawn(async move {
+            let outcome = svc.oneshot(req).await;
+            (k, outcome.map(|r| r.status()), Instant::now() - origin)
+        });
+        tokio::task::yield_now().await;
+    }
+    let mut outcomes = Vec::new();
+    while let Some(j) = tasks.join_next().await {
+        let (k, outcome, at) = j.unwrap();
+        outcomes.push((
+            k,
+            outcome.map_err(|e| (e.kind(), e.trail().unwrap().total_attempts())),
+            at,
+        ));
+    }
+    outcomes.sort_by_key(|o| o.0);
+    let secs = Duration::from_secs;
+    assert_eq!(
+        outcomes,
+        [
+            (0, Ok(StatusCode::OK), secs(0)),
+            (1, Ok(StatusCode::OK), secs(1)),
+            (2, Ok(StatusCode::OK), secs(2)),
+            (3, Ok(StatusCode::OK), secs(12)),
+            (4, Err((ErrorKind::PacingWaitTooLong, 0)), secs(5)),
+        ]
+    );
+    assert_eq!(
+        arrivals(&server, origin),
+        [secs(0), secs(1), secs(2), secs(12)]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_head_of_the_pacing_line_that_is_not_polled_does_not_hold_up_the_line() {
+    // Four requests a second: a turn every 250 ms. The second request joins the line as its
+    // head, then loses a `select!` and is kept, not polled. The two behind it go without it:
+    // the third 100 ms (the grace) after the turn the head left, the fourth on schedule. The
+    // stale head, polled again, takes the next turn after them.
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(no_jitter())
+                .pacing(Some(paced(4.0, 4.0))),
+        )
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let origin = Instant::now();
+    let res = svc.clone().oneshot(anthropic_request(&url, BODY)).await;
+    assert_eq!(res.unwrap().status(), StatusCode::OK);
+    let stale = svc.clone().oneshot(anthropic_request(&url, BODY));
+    tokio::pin!(stale);
+    tokio::select! {
+        biased;
+        _ = &mut stale => unreachable!("its turn is 250 ms away"),
+        _ = tokio::task::yield_now() => {}
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let svc = svc.clone();
+        let req = anthropic_request(&url, BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        tokio::task::yield_now().await;
+    }
+    let behind = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(j) = tasks.join_next().await {
+            assert_eq!(j.unwrap(), StatusCode::OK);
+        }
+    })
+    .await;
+    assert!(
+        behind.is_ok(),
+        "the line waited for a head that was not polled"
+    );
+    assert_eq!(Instant::now() - origin, Duration::from_millis(500));
+    assert_eq!(stale.await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        arrivals(&server, origin),
+        [0, 350, 500, 750].map(Duration::from_millis)
+    );
 }

@@ -2,7 +2,8 @@
 //! server's answers (additive increase, multiplicative decrease, on a rate), its quotas and
 //! its stated limits.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::f64::consts::LN_2;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -42,6 +43,39 @@ use crate::retry::ConfigError;
 ///   `limit / period` (see [`limit_period`](PacingConfig::limit_period)), even below `min`,
 ///   so the fleet sends what the server allows from its first answer instead of finding it
 ///   out by refusals.
+///
+/// # How long an attempt waits in line
+///
+/// An attempt waits for its turn no longer than its policy lets a `Retry-After` park it
+/// ([`retry_after_max`](crate::RetryPolicy::retry_after_max), 60 s by default), nor past its
+/// [`deadline`](crate::RetryPolicy::deadline). As soon as it is known that its turn would come
+/// later, it leaves the line and the request ends with
+/// [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), nothing more sent
+/// (the error's [trail](crate::Error::trail) holds the attempts that failed before):
+///
+/// - on joining, when the wait expected at the rate of the moment (doubling, during slow
+///   start) is longer. With a stated limit of one request a minute, one attempt waits in line
+///   and those after it are refused at once, instead of queueing for hours;
+/// - at the head of the line, when the instant of its turn is later;
+/// - behind others, when its bound comes: the line slowed after it joined, or it may wait
+///   less than those ahead of it.
+///
+/// A wait exactly as long as the bound is let through. Each refusal is a `WARN` event.
+///
+/// # A head that does not take its turn
+///
+/// Only the head of the line waits on the clock, so a head that is not polled (a losing
+/// `select!` branch kept alive, a caller that stopped polling) could hold up everyone behind
+/// it. It does not: the one right behind the head looks again 100 ms after the head's turn
+/// came (or after the head was called, if later), and if the head has not taken the turn by
+/// then, takes it itself, the schedule kept. Those further back look again when the one ahead
+/// of them should have gone, so a run of heads that are not polled is passed over too.
+///
+/// A head passed over, when it is polled again, does not send at once: its turn went to the
+/// one behind it, and sending too would put two attempts in one gap, the burst the pacing is
+/// there to prevent. It comes back right behind the head of the moment (after only those
+/// passed over that came back before it), ahead of everyone else still waiting; its bound
+/// still counts from when it first joined.
 ///
 /// Why a rate and not a burst: a fleet whose requests start together comes back together,
 /// and a server's limiter (a token bucket, a window) refuses the part of each burst above its
@@ -158,13 +192,20 @@ struct State {
     rate: f64,
     /// The earliest instant the next turn may be taken.
     next_time: Option<Instant>,
-    /// Tickets are handed out in arrival order and served in that order.
+    /// Tickets are handed out in arrival order and called to the head in that order.
     next_ticket: u64,
+    /// The first ticket not yet called to the head.
     serving: u64,
-    /// Tickets whose holders left the line before their turn.
+    /// Tickets not yet called whose holders left the line.
     abandoned: BTreeSet<u64>,
-    /// The holders behind the head of the line, woken when they reach it.
+    /// The ticket whose turn is next, and the instant it was called to the head.
+    head: Option<(u64, Instant)>,
+    /// Heads passed over that came back: called next, ahead of everyone who came after them.
+    returned: VecDeque<u64>,
+    /// The holders behind the head, woken when they reach it or the place right behind it.
     waiting: BTreeMap<u64, Waker>,
+    /// Heads passed over because they did not take their turn in time.
+    passed: u64,
     /// Bumped by every decrease.
     epoch: u64,
     slow_start: bool,
@@ -204,19 +245,129 @@ impl State {
         self.stated.map_or(config.max, |c| c.min(config.max))
     }
 
-    /// Moves the head past tickets whose holders left, and takes the waker of the holder now
-    /// at the head, if it is waiting to be told.
-    fn settle(&mut self) -> Option<Waker> {
+    /// Whether anyone is in line: the pacing, not the demand, is what limits the sending.
+    fn has_line(&self) -> bool {
+        self.head.is_some()
+    }
+
+    fn head_ticket(&self) -> Option<u64> {
+        self.head.map(|(t, _)| t)
+    }
+
+    /// The first ticket not yet called that is still in line, moving past those that left.
+    fn first_uncalled(&mut self) -> Option<u64> {
         while self.abandoned.remove(&self.serving) {
             self.serving += 1;
         }
-        self.waiting.remove(&self.serving)
+        (self.serving < self.next_ticket).then_some(self.serving)
     }
 
-    /// Whether anyone holds a ticket not yet served: the pacing, not the demand, is what
-    /// limits the sending.
-    fn has_line(&self) -> bool {
-        self.next_ticket > self.serving
+    /// The ticket right behind the head.
+    fn on_deck(&mut self) -> Option<u64> {
+        match self.returned.front() {
+            Some(&t) => Some(t),
+            None => self.first_uncalled(),
+        }
+    }
+
+    /// The head and the one right behind it.
+    fn front(&mut self) -> (Option<u64>, Option<u64>) {
+        (self.head_ticket(), self.on_deck())
+    }
+
+    /// Calls the next in line to the head, as of `at`, when there is no head: heads passed
+    /// over that came back first, then the others in arrival order.
+    fn call_next(&mut self, at: Instant) {
+        if self.head.is_some() {
+            return;
+        }
+        let next = match self.returned.pop_front() {
+            Some(t) => Some(t),
+            None => {
+                let t = self.first_uncalled();
+                if t.is_some() {
+                    self.serving += 1;
+                }
+                t
+            }
+        };
+        self.head = next.map(|t| (t, at));
+    }
+
+    /// How many are ahead of `ticket` in line (0: it is the head), or `None` when it holds no
+    /// place: it was passed over at the head and has not come back.
+    fn position(&self, ticket: u64) -> Option<u64> {
+        let head = self.head_ticket()?;
+        if head == ticket {
+            return Some(0);
+        }
+        if let Some(i) = self.returned.iter().position(|&t| t == ticket) {
+            return Some(1 + i as u64);
+        }
+        if ticket < self.serving {
+            return None;
+        }
+        let left = self.abandoned.range(self.serving..ticket).count() as u64;
+        Some(1 + self.returned.len() as u64 + (ticket - self.serving) - left)
+    }
+
+    /// The instant from which the head may take its turn: its turn's, or the instant it was
+    /// called, when that is later.
+    fn head_due(&self) -> Option<Instant> {
+        let (_, called) = self.head?;
+        Some(self.next_time.map_or(called, |t| t.max(called)))
+    }
+
+    /// Passes over each head, other than `poller`, that has not taken its turn within
+    /// [`HEAD_GRACE`] after it came; the next is called as of the instant the last one
+    /// lapsed, so a run of heads that are not polled is passed over as if each had been
+    /// looked at in time. The wakers of those passed over go to `discard`.
+    fn pass_stale_heads(&mut self, now: Instant, poller: u64, discard: &mut Vec<Waker>) -> u64 {
+        let mut passed = 0;
+        while let (Some(head), Some(due)) = (self.head_ticket(), self.head_due()) {
+            let lapsed = due + HEAD_GRACE;
+            if head == poller || now < lapsed {
+                break;
+            }
+            self.head = None;
+            discard.extend(self.waiting.remove(&head));
+            self.passed += 1;
+            passed += 1;
+            self.call_next(lapsed);
+        }
+        passed
+    }
+
+    /// The holders to wake when the front of the line changed from `before`: a new head (to
+    /// go, or wait for its instant) and a new one right behind it (to watch the head's turn),
+    /// other than `poller`, who is looking already.
+    fn notify(
+        &mut self,
+        before: (Option<u64>, Option<u64>),
+        poller: Option<u64>,
+    ) -> [Option<Waker>; 2] {
+        let after = self.front();
+        let mut take = |now: Option<u64>, was: Option<u64>| {
+            let t = now.filter(|&t| now != was && Some(t) != poller)?;
+            self.waiting.remove(&t)
+        };
+        [take(after.0, before.0), take(after.1, before.1)]
+    }
+}
+
+/// How long `turns` turns take, from one at `rate`: at that rate, or, during slow start, at a
+/// rate that doubles every second up to `ceiling`.
+fn time_for(turns: u64, rate: f64, ceiling: f64, slow_start: bool) -> f64 {
+    let n = turns as f64;
+    if !slow_start || rate >= ceiling {
+        return n / rate;
+    }
+    // Doubling every second, `rate · (2^t − 1) / ln 2` turns are taken in the first t seconds.
+    let to_ceiling = (ceiling - rate) / LN_2;
+    if n <= to_ceiling {
+        (1.0 + n * LN_2 / rate).log2()
+    } else {
+        (ceiling / rate).log2() + (n - to_ceiling) / ceiling
     }
 }
 
@@ -225,15 +376,23 @@ pub(crate) struct Pacer {
     config: PacingConfig,
     state: Mutex<State>,
     // The last stated limit taken in (0: none), so that answers repeating it, as every
-    // answer does, cost a load and not the lock.
+    // answer does, cost a load and not the lock. Written only under the lock, with the cap.
     stated_limit: AtomicU64,
+    // Attempts that gave up because their turn would come later than they may wait.
+    refused: AtomicU64,
 }
 
 impl fmt::Debug for Pacer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (rate, passed) = {
+            let s = self.lock();
+            (s.rate, s.passed)
+        };
         f.debug_struct("Pacer")
             .field("config", &self.config)
-            .field("rate", &self.rate())
+            .field("rate", &rate)
+            .field("refused", &self.refused())
+            .field("passed", &passed)
             .finish()
     }
 }
@@ -245,8 +404,16 @@ pub(crate) enum Turn {
     Go(u64),
     /// At the head of the line: go at this instant (look again then).
     Wait(Instant),
-    /// Behind others: the waker given is woken when this ticket reaches the head.
-    Queued,
+    /// Behind others: the waker given is woken when this ticket reaches the head, or the
+    /// place right behind it.
+    Queued {
+        /// When to look again all the same, to pass over a head ahead that has not taken its
+        /// turn (`None`: too far off to say).
+        check: Option<Instant>,
+        /// How long until this ticket's turn, at the rate of the moment (doubling, during
+        /// slow start).
+        wait: Duration,
+    },
 }
 
 impl Pacer {
@@ -259,7 +426,10 @@ impl Pacer {
                 next_ticket: 0,
                 serving: 0,
                 abandoned: BTreeSet::new(),
+                head: None,
+                returned: VecDeque::new(),
                 waiting: BTreeMap::new(),
+                passed: 0,
                 epoch: 0,
                 slow_start: true,
                 sent: 0,
@@ -269,6 +439,7 @@ impl Pacer {
                 stated: None,
             }),
             stated_limit: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
         }
     }
 
@@ -285,11 +456,17 @@ impl Pacer {
         self.lock().rate
     }
 
+    /// How many attempts gave up because their turn would come later than they may wait.
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
     /// A place in line.
     pub(crate) fn ticket(&self) -> u64 {
         let mut s = self.lock();
         let t = s.next_ticket;
         s.next_ticket += 1;
+        s.call_next(Instant::now());
         t
     }
 
@@ -297,12 +474,28 @@ impl Pacer {
     /// order. Only the head of the line waits on the clock, for the instant the current rate
     /// gives; the others wait to be woken when the one ahead of them goes, so a change of
     /// rate reaches the whole line at once and the line moves at the rate of the moment.
+    ///
+    /// A head that does not take its turn within [`HEAD_GRACE`] after it came is passed over
+    /// by the next one that looks (the one right behind it looks then); polled again, it
+    /// comes back right behind the head of the moment.
     pub(crate) fn poll_turn(&self, ticket: u64, waker: &Waker) -> Turn {
         let now = Instant::now();
         let mut s = self.lock();
-        let head_waker = s.settle();
-        let mut replaced = None;
-        let turn = if ticket <= s.serving {
+        let before = s.front();
+        // Wakers are dropped after the lock is released.
+        let mut discard = Vec::new();
+        let passed = s.pass_stale_heads(now, ticket, &mut discard);
+        let position = match s.position(ticket) {
+            Some(p) => p,
+            None => {
+                s.returned.push_back(ticket);
+                s.call_next(now);
+                s.position(ticket)
+                    .expect("a ticket that came back is in line")
+            }
+        };
+        let turn = if position == 0 {
+            discard.extend(s.waiting.remove(&ticket));
             let gap = Duration::from_secs_f64(1.0 / s.rate);
             // Turns keep to their schedule even when taken a little late (a timer fires on a
             // millisecond), so the average rate is the rate; after a quiet spell longer than
@@ -314,7 +507,7 @@ impl Pacer {
             if head <= now {
                 // Slow start: while the line is longer than the rate lets through and no
                 // refusal has come, the rate doubles every second.
-                if s.slow_start && s.next_ticket > ticket + 1 {
+                if s.slow_start && s.on_deck().is_some() {
                     if let Some(last) = s.last_turn {
                         let dt = now
                             .saturating_duration_since(last)
@@ -324,30 +517,55 @@ impl Pacer {
                     }
                 }
                 s.last_turn = Some(now);
-                s.serving = s.serving.max(ticket) + 1;
+                s.head = None;
                 s.next_time = Some(head + Duration::from_secs_f64(1.0 / s.rate));
                 s.sent += 1;
                 s.since.get_or_insert(now);
+                s.call_next(now);
                 Turn::Go(s.epoch)
             } else {
                 Turn::Wait(head)
             }
         } else {
-            // A waker replaced is dropped after the lock is released.
-            replaced = match s.waiting.get_mut(&ticket) {
-                Some(w) if w.will_wake(waker) => None,
-                Some(w) => Some(std::mem::replace(w, waker.clone())),
-                None => s.waiting.insert(ticket, waker.clone()),
+            match s.waiting.get_mut(&ticket) {
+                Some(w) if w.will_wake(waker) => {}
+                Some(w) => discard.push(std::mem::replace(w, waker.clone())),
+                None => {
+                    s.waiting.insert(ticket, waker.clone());
+                }
+            }
+            let due = s.head_due().expect("a line has a head");
+            // The one right behind the head looks when the head's grace is over; those
+            // further back when the one ahead of them should have gone, at the rate of the
+            // moment (they are woken sooner when the line moves faster).
+            let check = Duration::try_from_secs_f64((position - 1) as f64 / s.rate)
+                .ok()
+                .and_then(|ahead| due.checked_add(ahead + HEAD_GRACE));
+            let gap = Duration::from_secs_f64(1.0 / s.rate);
+            let head = match s.next_time {
+                Some(t) if t + gap > now => t,
+                _ => now,
             };
-            Turn::Queued
+            let lead = if head >= now {
+                (head - now).as_secs_f64()
+            } else {
+                -(now - head).as_secs_f64()
+            };
+            let after = time_for(position, s.rate, s.ceiling(&self.config), s.slow_start);
+            let wait =
+                Duration::try_from_secs_f64((lead + after).max(0.0)).unwrap_or(Duration::MAX);
+            Turn::Queued { check, wait }
         };
-        let next = match turn {
-            Turn::Go(_) => s.settle(),
-            _ => None,
-        };
+        let wakes = s.notify(before, Some(ticket));
         drop(s);
-        drop(replaced);
-        for w in [head_waker, next].into_iter().flatten() {
+        drop(discard);
+        if passed > 0 {
+            tracing::debug!(
+                passed,
+                "passed over the head of the pacing line: it did not take its turn"
+            );
+        }
+        for w in wakes.into_iter().flatten() {
             w.wake();
         }
         turn
@@ -356,18 +574,30 @@ impl Pacer {
     /// The holder of `ticket` left the line before its turn.
     pub(crate) fn abandon(&self, ticket: u64) {
         let mut s = self.lock();
+        let before = s.front();
         let own = s.waiting.remove(&ticket);
-        let head = if ticket < s.serving {
-            None
-        } else {
+        if s.head_ticket() == Some(ticket) {
+            s.head = None;
+            s.call_next(Instant::now());
+        } else if let Some(i) = s.returned.iter().position(|&t| t == ticket) {
+            s.returned.remove(i);
+        } else if ticket >= s.serving {
             s.abandoned.insert(ticket);
-            s.settle()
-        };
+        }
+        // Otherwise it was passed over at the head and had not come back: it held no place.
+        let wakes = s.notify(before, None);
         drop(s);
         drop(own);
-        if let Some(w) = head {
+        for w in wakes.into_iter().flatten() {
             w.wake();
         }
+    }
+
+    /// The holder of `ticket` gives up: its turn would come later than it may wait. It leaves
+    /// the line; returns how many have given up so, in all.
+    pub(crate) fn refuse(&self, ticket: u64) -> u64 {
+        self.abandon(ticket);
+        self.refused.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// A success. The rate grows only while someone is waiting in line (a fleet that sends
@@ -444,13 +674,24 @@ impl Pacer {
         let Some(period) = self.config.limit_period else {
             return;
         };
-        // The rate never grows past the stated cap, so the same limit again changes nothing.
-        if self.stated_limit.swap(limit, Ordering::Relaxed) == limit {
+        // The rate never grows past the stated cap, so the same limit again changes nothing:
+        // a load, not the lock.
+        if self.stated_limit.load(Ordering::Relaxed) == limit {
             return;
         }
+        #[cfg(test)]
+        tests::before_limit_lock();
         // Not clamped to `min`: a key allowed fewer requests than that is paced at its limit.
         let cap = (limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.config.max);
         let mut s = self.lock();
+        // The record of the last limit and the cap in force change together, under the lock:
+        // were the record swapped before it, two limits arriving together could leave the
+        // record saying one and the cap the other, and every later answer, matching the record,
+        // would leave the stale cap in force.
+        if self.stated_limit.load(Ordering::Relaxed) == limit {
+            return;
+        }
+        self.stated_limit.store(limit, Ordering::Relaxed);
         s.stated = Some(cap);
         if s.rate > cap {
             s.rate = cap;
@@ -466,6 +707,10 @@ const MIN_INFORMED_WAIT: Duration = Duration::from_secs(10);
 const MAX_INFORMED_WAIT: Duration = Duration::from_secs(300);
 /// How much the rate may grow per quota cycle after a quota signal.
 const QUOTA_GROWTH: f64 = 1.25;
+/// How long after its turn came a head of the line may take it before the one behind it
+/// goes instead: time enough for a task that is polled to get to it, short enough that one
+/// that is not (a losing `select!` branch kept alive) holds the line up for no longer.
+const HEAD_GRACE: Duration = Duration::from_millis(100);
 
 #[cfg(test)]
 mod tests {
@@ -473,6 +718,18 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::task::Wake;
+
+    thread_local! {
+        /// Run once by the next `on_limit` between its check of the last limit and its lock.
+        static BEFORE_LIMIT_LOCK: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    pub(super) fn before_limit_lock() {
+        if let Some(f) = BEFORE_LIMIT_LOCK.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
 
     #[test]
     fn validation() {
@@ -515,20 +772,29 @@ mod tests {
         let tickets: Vec<_> = (0..4).map(|_| p.ticket()).collect();
         let wakers: Vec<_> = (0..4).map(|_| counting()).collect();
         assert_eq!(p.poll_turn(tickets[0], &wakers[0].1), Turn::Go(0));
-        // Behind the head: queued, no instant to wait for.
-        assert_eq!(p.poll_turn(tickets[2], &wakers[2].1), Turn::Queued);
+        // Behind the head: queued, to be woken (its only instant is a check on the head).
+        assert!(matches!(
+            p.poll_turn(tickets[2], &wakers[2].1),
+            Turn::Queued { .. }
+        ));
         // The head waits for its instant, 1 / rate after the last turn.
         assert_eq!(
             p.poll_turn(tickets[1], &wakers[1].1),
             Turn::Wait(t0 + Duration::from_millis(100))
         );
         tokio::time::advance(Duration::from_millis(100)).await;
-        assert_eq!(p.poll_turn(tickets[2], &wakers[2].1), Turn::Queued);
+        assert!(matches!(
+            p.poll_turn(tickets[2], &wakers[2].1),
+            Turn::Queued { .. }
+        ));
         assert_eq!(woken(&wakers[2].0), 0);
         assert_eq!(p.poll_turn(tickets[1], &wakers[1].1), Turn::Go(0));
         // Ticket 2 is now the head and was told so, once.
         assert_eq!(woken(&wakers[2].0), 1);
-        assert_eq!(p.poll_turn(tickets[3], &wakers[3].1), Turn::Queued);
+        assert!(matches!(
+            p.poll_turn(tickets[3], &wakers[3].1),
+            Turn::Queued { .. }
+        ));
         // Ticket 2 leaves the line before its turn: ticket 3 is the head, and is woken.
         p.abandon(tickets[2]);
         assert_eq!(woken(&wakers[3].0), 1);
@@ -622,7 +888,7 @@ mod tests {
         assert_eq!(p.rate(), 5.0);
         let _a = p.ticket();
         let b = p.ticket();
-        assert_eq!(p.poll_turn(b, &w), Turn::Queued);
+        assert!(matches!(p.poll_turn(b, &w), Turn::Queued { .. }));
         p.on_success();
         assert_eq!(p.rate(), 5.5);
         // Never above max, never below min.
@@ -650,7 +916,7 @@ mod tests {
                 match p.poll_turn(t, &w) {
                     Turn::Go(e) => break last = Some(e),
                     Turn::Wait(at) => tokio::time::advance(at - Instant::now()).await,
-                    Turn::Queued => unreachable!("one ticket at a time"),
+                    Turn::Queued { .. } => unreachable!("one ticket at a time"),
                 }
             }
         }
@@ -663,7 +929,7 @@ mod tests {
         // Someone waits in line, yet the rate holds through the wait and one cycle after it.
         let _a = p.ticket();
         let b = p.ticket();
-        assert_eq!(p.poll_turn(b, &w), Turn::Queued);
+        assert!(matches!(p.poll_turn(b, &w), Turn::Queued { .. }));
         tokio::time::advance(Duration::from_secs(48) + cycle - Duration::from_millis(1)).await;
         p.on_success();
         assert!((p.rate() - quota).abs() < 1e-9);
@@ -710,7 +976,7 @@ mod tests {
                 match p.poll_turn(t, &w) {
                     Turn::Go(_) => break,
                     Turn::Wait(at) => tokio::time::advance(at - Instant::now()).await,
-                    Turn::Queued => unreachable!("served in order"),
+                    Turn::Queued { .. } => unreachable!("served in order"),
                 }
             }
         }
@@ -756,7 +1022,7 @@ mod tests {
                 match p.poll_turn(t, &w) {
                     Turn::Go(e) => break last = e,
                     Turn::Wait(at) => tokio::time::advance(at - Instant::now()).await,
-                    Turn::Queued => unreachable!("one ticket at a time"),
+                    Turn::Queued { .. } => unreachable!("one ticket at a time"),
                 }
             }
         }
@@ -803,5 +1069,168 @@ mod tests {
         assert!(p.rate() <= 0.5);
         assert!(PacingConfig::new().rates(1e-20, 1e-20, 1.0).is_err());
         assert!(PacingConfig::new().rates(0.001, 0.001, 1.0).is_ok());
+    }
+
+    #[test]
+    fn two_stated_limits_arriving_together_leave_the_later_one_in_force() {
+        let p = Arc::new(Pacer::new(PacingConfig::new()));
+        // One answer states 600 a minute; while it is between its check and the lock, another
+        // states 60 a minute and is taken in whole.
+        let other = p.clone();
+        BEFORE_LIMIT_LOCK.with(|h| *h.borrow_mut() = Some(Box::new(move || other.on_limit(60))));
+        p.on_limit(600);
+        // Whichever went second under the lock is in force, and the record of the last limit
+        // taken in agrees with it ...
+        let (cap, last) = (p.lock().stated, p.stated_limit.load(Ordering::Relaxed));
+        assert_eq!(
+            cap,
+            Some(last as f64 / 60.0),
+            "{cap:?} in force, {last} recorded"
+        );
+        // ... so every later answer, which states 60 again, puts 1/s in force.
+        p.on_limit(60);
+        assert_eq!(p.lock().stated, Some(1.0));
+        assert_eq!(p.rate(), 1.0);
+    }
+
+    /// The `check` and `wait` of a ticket behind the head.
+    fn queued(p: &Pacer, ticket: u64, w: &Waker) -> (Option<Instant>, Duration) {
+        match p.poll_turn(ticket, w) {
+            Turn::Queued { check, wait } => (check, wait),
+            turn => panic!("{ticket} is behind the head, not {turn:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_that_does_not_take_its_turn_is_passed_over_after_the_grace() {
+        // A turn every 250 ms.
+        let p = fixed(4.0);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let [first, stale, b, c] = [(); 4].map(|_| p.ticket());
+        let (stale_count, stale_w) = counting();
+        let (b_count, b_w) = counting();
+        let (c_count, c_w) = counting();
+        assert_eq!(p.poll_turn(first, &stale_w), Turn::Go(0));
+        // The head waits for its turn at 250 ms, then is not polled again.
+        assert_eq!(p.poll_turn(stale, &stale_w), Turn::Wait(t0 + ms(250)));
+        // The one right behind it looks again when the head's grace is over; the one after
+        // when that one should have gone. Both expect their turns on the schedule.
+        assert_eq!(queued(&p, b, &b_w), (Some(t0 + ms(350)), ms(500)));
+        assert_eq!(queued(&p, c, &c_w), (Some(t0 + ms(600)), ms(750)));
+        // Within the grace the turn is still the head's.
+        tokio::time::advance(ms(349)).await;
+        assert_eq!(queued(&p, b, &b_w), (Some(t0 + ms(350)), ms(151)));
+        // Then the one behind takes it, and the schedule holds: the next turn is at 500 ms.
+        tokio::time::advance(ms(1)).await;
+        assert_eq!(p.poll_turn(b, &b_w), Turn::Go(0));
+        assert_eq!(p.lock().passed, 1);
+        assert_eq!(woken(&c_count), 1);
+        assert_eq!(p.poll_turn(c, &c_w), Turn::Wait(t0 + ms(500)));
+        // Polled again, the head passed over does not go at once: it comes back right
+        // behind the head of the moment, and is told when its turn is next.
+        assert_eq!(queued(&p, stale, &stale_w), (Some(t0 + ms(600)), ms(400)));
+        let d = p.ticket();
+        assert_eq!(queued(&p, d, &b_w), (Some(t0 + ms(850)), ms(650)));
+        tokio::time::advance(ms(150)).await;
+        assert_eq!(p.poll_turn(c, &c_w), Turn::Go(0));
+        assert_eq!(woken(&stale_count), 1);
+        assert_eq!(p.poll_turn(stale, &stale_w), Turn::Wait(t0 + ms(750)));
+        tokio::time::advance(ms(250)).await;
+        assert_eq!(p.poll_turn(stale, &stale_w), Turn::Go(0));
+        assert_eq!(woken(&b_count), 1);
+        assert_eq!(p.poll_turn(d, &b_w), Turn::Wait(t0 + ms(1_000)));
+        assert_eq!(p.lock().passed, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_of_heads_not_polled_is_passed_over_by_the_first_that_looks() {
+        // A turn every 100 ms. The head, and the one behind it, are polled once and then not
+        // again; the third looks when the second should have gone.
+        let p = fixed(10.0);
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let [first, s1, s2, live] = [(); 4].map(|_| p.ticket());
+        let (_, w) = counting();
+        assert_eq!(p.poll_turn(first, &w), Turn::Go(0));
+        assert_eq!(p.poll_turn(s1, &w), Turn::Wait(t0 + ms(100)));
+        assert_eq!(queued(&p, s2, &w).0, Some(t0 + ms(200)));
+        assert_eq!(queued(&p, live, &w).0, Some(t0 + ms(300)));
+        // The first lapsed at 200 ms; the second was called to the head then and lapsed at
+        // 300 ms. The third passes both over and goes.
+        tokio::time::advance(ms(300)).await;
+        assert_eq!(p.poll_turn(live, &w), Turn::Go(0));
+        assert_eq!(p.lock().passed, 2);
+        // Polled again, they come back in the order they look, and take the next turns; a
+        // newcomer queues behind them.
+        assert_eq!(p.poll_turn(s2, &w), Turn::Wait(t0 + ms(400)));
+        assert_eq!(queued(&p, s1, &w).1, ms(200));
+        let newcomer = p.ticket();
+        assert_eq!(queued(&p, newcomer, &w).1, ms(300));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_expected_wait_counts_slow_starts_doubling() {
+        let p = Pacer::new(PacingConfig::new().rates(10.0, 1.0, 1_000.0).unwrap());
+        let t0 = Instant::now();
+        let (_, w) = counting();
+        let tickets: Vec<_> = (0..101).map(|_| p.ticket()).collect();
+        assert_eq!(p.poll_turn(tickets[0], &w), Turn::Go(0));
+        // 99 ahead of the last, behind a head whose turn is at 100 ms: at a rate doubling
+        // every second, 99 turns take log2(1 + 99 ln 2 / 10) s, not 9.9 s.
+        let (check, wait) = queued(&p, tickets[100], &w);
+        let want = 0.1 + (1.0 + 99.0 * LN_2 / 10.0).log2();
+        assert!((wait.as_secs_f64() - want).abs() < 1e-6, "{wait:?}");
+        // It looks again when the one ahead of it would go at the rate of the moment.
+        let check = check.unwrap() - t0;
+        assert!(
+            (check.as_secs_f64() - (0.1 + 9.8 + 0.1)).abs() < 1e-6,
+            "{check:?}"
+        );
+        // Once slow start is over, the wait is at the rate (halved by the refusal).
+        p.on_refusal(0, None);
+        let (_, wait) = queued(&p, tickets[100], &w);
+        assert!(
+            (wait.as_secs_f64() - (0.1 + 99.0 / 5.0)).abs() < 1e-6,
+            "{wait:?}"
+        );
+        // Up to a ceiling, then at it: a stated 1,200 a minute (20/s).
+        let p = Pacer::new(PacingConfig::new().rates(10.0, 1.0, 1_000.0).unwrap());
+        p.on_limit(1_200);
+        let tickets: Vec<_> = (0..101).map(|_| p.ticket()).collect();
+        assert_eq!(p.poll_turn(tickets[0], &w), Turn::Go(0));
+        let (_, wait) = queued(&p, tickets[100], &w);
+        let to_ceiling = 10.0 / LN_2;
+        let want = 0.1 + 1.0 + (99.0 - to_ceiling) / 20.0;
+        assert!((wait.as_secs_f64() - want).abs() < 1e-6, "{wait:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leaving_the_line_when_passed_over_or_come_back_frees_the_place() {
+        let p = fixed(10.0);
+        let (_, w) = counting();
+        let [first, a, b, c] = [(); 4].map(|_| p.ticket());
+        assert_eq!(p.poll_turn(first, &w), Turn::Go(0));
+        assert!(matches!(p.poll_turn(a, &w), Turn::Wait(_)));
+        assert!(matches!(p.poll_turn(b, &w), Turn::Queued { .. }));
+        assert!(matches!(p.poll_turn(c, &w), Turn::Queued { .. }));
+        // `a` does not take its turn; `b` takes it when the grace is over.
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert_eq!(p.poll_turn(b, &w), Turn::Go(0));
+        assert_eq!(p.lock().front(), (Some(c), None));
+        // Passed over and not come back, `a` holds no place: leaving changes nothing.
+        p.abandon(a);
+        assert_eq!(p.lock().front(), (Some(c), None));
+        // Come back, then gone again: the place behind the head is free once more.
+        assert!(matches!(p.poll_turn(a, &w), Turn::Queued { .. }));
+        assert_eq!(p.lock().front(), (Some(c), Some(a)));
+        p.abandon(a);
+        assert_eq!(p.lock().front(), (Some(c), None));
+        assert!(p.lock().waiting.is_empty());
+        // A refusal leaves the line too, and is counted.
+        assert_eq!(p.refused(), 0);
+        assert_eq!(p.refuse(c), 1);
+        assert_eq!(p.lock().front(), (None, None));
+        assert_eq!(p.refused(), 1);
     }
 }

@@ -19,7 +19,10 @@
 //!   a long `Retry-After` is read as a quota and sets the rate that spreads it over its
 //!   cycle. A fleet whose requests start together otherwise comes back together, and a
 //!   server's limiter refuses the part of every burst above its capacity even when the
-//!   average fits.
+//!   average fits. An attempt waits in line no longer than its policy's Retry-After
+//!   ceiling or its deadline
+//!   ([`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong)), and a head of
+//!   the line that is not polled does not hold up the others.
 //!
 //! The state lives in an `Arc` created when the layer is built: the services a layer makes,
 //! and their clones, share it; two layers built separately do not.
@@ -123,14 +126,33 @@ impl Fleet {
         self.pacer.as_ref().map(|p| p.rate())
     }
 
-    /// A place in the pacing line for the next attempt, when pacing is on. Dropping it before
-    /// its turn leaves the line.
-    pub(crate) fn ticket(self: &Arc<Self>) -> Option<Ticket> {
-        let n = self.pacer.as_ref()?.ticket();
+    /// How many attempts gave up because their pacing turn would come later than they may
+    /// wait, when pacing is on.
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by the metrics to come"))]
+    pub(crate) fn pacing_refused(&self) -> Option<u64> {
+        self.pacer.as_ref().map(|p| p.refused())
+    }
+
+    /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
+    /// turn no longer than `policy`'s Retry-After ceiling, nor past `deadline`. Dropping it
+    /// before its turn leaves the line.
+    pub(crate) fn ticket(
+        self: &Arc<Self>,
+        policy: &RetryPolicy,
+        deadline: Option<Instant>,
+    ) -> Option<Ticket> {
+        let pacer = self.pacer.as_ref()?;
+        let now = Instant::now();
+        // A ceiling set to "forever" must not overflow the instant.
+        let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
         Some(Ticket {
             fleet: self.clone(),
-            n,
-            served: false,
+            n: pacer.ticket(),
+            done: false,
+            joined: false,
+            since: now,
+            give_up_at: deadline.map_or(ceiling, |d| d.min(ceiling)),
+            by_deadline: deadline.is_some_and(|d| d <= ceiling),
             sleep: None,
         })
     }
@@ -201,51 +223,111 @@ impl Fleet {
     }
 }
 
+/// The longest an attempt waits in the pacing line, whatever its policy's ceiling.
+const MAX_PACING_WAIT: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// A place in the pacing line.
 pub(crate) struct Ticket {
     fleet: Arc<Fleet>,
     n: u64,
-    served: bool,
-    // The head of the line waits for its instant; allocated only then.
+    /// Served, or given up: out of the line.
+    done: bool,
+    /// Polled once: the expected wait is judged as it joins.
+    joined: bool,
+    since: Instant,
+    /// The latest instant its turn may come.
+    give_up_at: Instant,
+    /// That instant is the request's deadline.
+    by_deadline: bool,
+    // The instant to look again (its turn, a check on the head, its bound); allocated only
+    // when it has to wait.
     sleep: Option<Pin<Box<Sleep>>>,
 }
 
 impl Ticket {
-    /// Ready with the pacing epoch once the turn has come (the ticket is then used up).
-    pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<u64> {
+    /// Ready with the pacing epoch once the turn has come (the ticket is then used up), or
+    /// with the refusal once it is known that the turn would come after the ticket's bound:
+    /// on joining, when the wait expected at the rate of the moment is longer; at the head,
+    /// when its instant is later; behind others, when the bound comes. The ticket has then
+    /// left the line.
+    pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
         let pacer = self
             .fleet
             .pacer
             .as_ref()
             .expect("tickets come from a pacer");
         loop {
-            match pacer.poll_turn(self.n, cx.waker()) {
+            let joining = !std::mem::replace(&mut self.joined, true);
+            let turn = pacer.poll_turn(self.n, cx.waker());
+            let now = Instant::now();
+            let left = self.give_up_at.saturating_duration_since(now);
+            let wake_at = match turn {
                 Turn::Go(epoch) => {
-                    self.served = true;
+                    self.done = true;
                     self.sleep = None;
-                    return Poll::Ready(epoch);
+                    return Poll::Ready(Ok(epoch));
                 }
-                Turn::Queued => return Poll::Pending,
-                Turn::Wait(at) => {
-                    let sleep = match &mut self.sleep {
-                        Some(sleep) => {
-                            if sleep.deadline() != at {
-                                sleep.as_mut().reset(at);
-                            }
-                            sleep
-                        }
-                        None => self.sleep.insert(Box::pin(tokio::time::sleep_until(at))),
-                    };
-                    std::task::ready!(sleep.as_mut().poll(cx));
+                Turn::Wait(at) if at > self.give_up_at => {
+                    let wait = at.saturating_duration_since(now);
+                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
                 }
-            }
+                Turn::Wait(at) => at,
+                Turn::Queued { wait, .. } if joining && wait > left => {
+                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
+                }
+                Turn::Queued { .. } if left.is_zero() => {
+                    return Poll::Ready(Err(self.refuse(None, left)));
+                }
+                Turn::Queued { check, .. } => {
+                    check.map_or(self.give_up_at, |c| c.min(self.give_up_at))
+                }
+            };
+            let sleep = match &mut self.sleep {
+                Some(sleep) => {
+                    if sleep.deadline() != wake_at {
+                        sleep.as_mut().reset(wake_at);
+                    }
+                    sleep
+                }
+                None => self
+                    .sleep
+                    .insert(Box::pin(tokio::time::sleep_until(wake_at))),
+            };
+            std::task::ready!(sleep.as_mut().poll(cx));
         }
+    }
+
+    /// Leaves the line, counted as given up.
+    fn refuse(&mut self, expected: Option<Duration>, left: Duration) -> PacingRefused {
+        self.done = true;
+        self.sleep = None;
+        let pacer = self
+            .fleet
+            .pacer
+            .as_ref()
+            .expect("tickets come from a pacer");
+        let refused_total = pacer.refuse(self.n);
+        let refused = PacingRefused {
+            expected,
+            left,
+            bound: self.give_up_at.saturating_duration_since(self.since),
+            by_deadline: self.by_deadline,
+        };
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        tracing::warn!(
+            expected_ms = expected.map(ms),
+            bound_ms = ms(refused.bound),
+            rate = pacer.rate(),
+            refused_total,
+            "giving up on LLM request: its pacing turn is further off than it may wait"
+        );
+        refused
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if !self.served {
+        if !self.done {
             if let Some(p) = &self.fleet.pacer {
                 p.abandon(self.n);
             }
@@ -255,6 +337,123 @@ impl Drop for Ticket {
 
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ticket").field("n", &self.n).finish()
+        f.debug_struct("Ticket")
+            .field("n", &self.n)
+            .field("give_up_at", &self.give_up_at)
+            .finish()
+    }
+}
+
+/// Why an attempt left the pacing line: its turn would come later than it may wait. The
+/// source of an [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong) error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PacingRefused {
+    /// How far off its turn was, when that was known (not when its bound ran out in line).
+    expected: Option<Duration>,
+    /// What was left of its bound.
+    left: Duration,
+    /// How long it could wait in all, from joining.
+    bound: Duration,
+    /// The bound was the request's deadline (not its policy's ceiling).
+    by_deadline: bool,
+}
+
+impl PacingRefused {
+    /// Whether the bound that ran out was the request's deadline.
+    pub(crate) fn by_deadline(&self) -> bool {
+        self.by_deadline
+    }
+}
+
+impl std::fmt::Display for PacingRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.expected {
+            Some(turn) => write!(
+                f,
+                "pacing turn {turn:?} away, with {:?} left of the {:?} the request may wait",
+                self.left, self.bound
+            ),
+            None => write!(
+                f,
+                "no pacing turn within the {:?} the request may wait",
+                self.bound
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PacingRefused {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::Waker;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ticket_whose_turn_is_past_its_bound_is_refused_on_joining_and_counted() {
+        // One turn a second; a policy that lets an attempt wait 2 s.
+        let fleet = Fleet::new(
+            None,
+            None,
+            Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap()),
+        );
+        let policy = RetryPolicy::default().retry_after_max(Duration::from_secs(2));
+        let mut cx = Context::from_waker(Waker::noop());
+        let secs = Duration::from_secs;
+        let mut first = fleet.ticket(&policy, None).unwrap();
+        assert_eq!(first.poll_turn(&mut cx), Poll::Ready(Ok(0)));
+        // The head's turn is 1 s off; the next is expected in 2 s, exactly the bound.
+        let mut head = fleet.ticket(&policy, None).unwrap();
+        assert!(head.poll_turn(&mut cx).is_pending());
+        let mut behind = fleet.ticket(&policy, None).unwrap();
+        assert!(behind.poll_turn(&mut cx).is_pending());
+        // The one after would wait 3 s.
+        let mut late = fleet.ticket(&policy, None).unwrap();
+        let refused = PacingRefused {
+            expected: Some(secs(3)),
+            left: secs(2),
+            bound: secs(2),
+            by_deadline: false,
+        };
+        assert_eq!(late.poll_turn(&mut cx), Poll::Ready(Err(refused)));
+        assert_eq!(
+            refused.to_string(),
+            "pacing turn 3s away, with 2s left of the 2s the request may wait"
+        );
+        assert_eq!(fleet.pacing_refused(), Some(1));
+        // A deadline nearer than the ceiling bounds the wait instead.
+        let forever = RetryPolicy::default().retry_after_max(Duration::MAX);
+        let soon = Instant::now() + Duration::from_millis(2_500);
+        let mut hurried = fleet.ticket(&forever, Some(soon)).unwrap();
+        match hurried.poll_turn(&mut cx) {
+            Poll::Ready(Err(refused)) => assert!(refused.by_deadline()),
+            other => panic!("expected a refusal by the deadline, got {other:?}"),
+        }
+        assert_eq!(fleet.pacing_refused(), Some(2));
+        // A ceiling of "forever" neither overflows nor refuses.
+        let mut patient = fleet.ticket(&forever, None).unwrap();
+        assert!(patient.poll_turn(&mut cx).is_pending());
+        // Those refused left the line: the others keep their turns, one a second.
+        tokio::time::advance(secs(1)).await;
+        assert_eq!(head.poll_turn(&mut cx), Poll::Ready(Ok(0)));
+        tokio::time::advance(secs(1)).await;
+        assert_eq!(behind.poll_turn(&mut cx), Poll::Ready(Ok(0)));
+        tokio::time::advance(secs(1)).await;
+        assert_eq!(patient.poll_turn(&mut cx), Poll::Ready(Ok(0)));
+        assert_eq!(fleet.pacing_refused(), Some(2));
+    }
+
+    #[test]
+    fn the_refusal_reads_when_the_bound_ran_out_in_line() {
+        let refused = PacingRefused {
+            expected: None,
+            left: Duration::ZERO,
+            bound: Duration::from_secs(5),
+            by_deadline: false,
+        };
+        assert_eq!(
+            refused.to_string(),
+            "no pacing turn within the 5s the request may wait"
+        );
     }
 }

@@ -609,8 +609,30 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Err(ctx.stopped(stop)));
                     }
-                    ctx.paced = Some(ready!(ticket.poll_turn(cx)));
-                    this.state.set(State::Ready { watch: None });
+                    match ready!(ticket.poll_turn(cx)) {
+                        Ok(epoch) => {
+                            ctx.paced = Some(epoch);
+                            this.state.set(State::Ready { watch: None });
+                        }
+                        // The turn would come after the deadline: the deadline's error.
+                        Err(refused) if refused.by_deadline() => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.deadline_exceeded()));
+                        }
+                        // The turn would come later than this request may wait.
+                        Err(refused) => {
+                            this.state.set(State::Done);
+                            ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
+                            let trail = ctx.finished_trail();
+                            if ctx.attempt > 0 {
+                                if let Some(observer) = &ctx.config.observer {
+                                    observer.on_give_up(&trail);
+                                }
+                            }
+                            let err = Error::new(ErrorKind::PacingWaitTooLong).with_source(refused);
+                            return Poll::Ready(Err(err.with_trail(trail)));
+                        }
+                    }
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
@@ -1006,7 +1028,7 @@ where
         if self.paced.is_some() {
             return Ok(None);
         }
-        let Some(ticket) = self.config.fleet.ticket() else {
+        let Some(ticket) = self.config.fleet.ticket(self.policy(), self.deadline) else {
             return Ok(None);
         };
         tracing::trace!(
