@@ -50,8 +50,10 @@ use crate::retry::ConfigError;
 /// ([`retry_after_max`](crate::RetryPolicy::retry_after_max), 60 s by default), nor past its
 /// [`deadline`](crate::RetryPolicy::deadline). As soon as it is known that its turn would come
 /// later, it leaves the line and the request ends with
-/// [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), nothing more sent
-/// (the error's [trail](crate::Error::trail) holds the attempts that failed before):
+/// [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong) (or
+/// [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) when the deadline is the
+/// nearer bound), nothing more sent (the error's [trail](crate::Error::trail) holds the
+/// attempts that failed before):
 ///
 /// - on joining, when the wait expected at the rate of the moment (doubling, during slow
 ///   start) is longer. With a stated limit of one request a minute, one attempt waits in line
