@@ -146,6 +146,14 @@ fn ceiling(s: &Setup, jitter_max: f64) -> Duration {
     backoff.max(s.ra_max.max(s.ra_min))
 }
 
+/// The test client without its pool's idle sweep: that timer ticks every few seconds of
+/// virtual time, and a sleep of "forever" (about 30 years) would tick it millions of times.
+fn client() -> HttpClient {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(None)
+        .build_http()
+}
+
 fn run(s: Setup) -> Result<(), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -202,7 +210,12 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
                     .policy(policy)
                     .observer(delays.clone())
                     .cooldown_gate(Some(gate))
-                    .pacing(pacing),
+                    .pacing(pacing)
+                    // tower's TpsBudget, on its first use after a gap, clears its slots one
+                    // window at a time: after a virtual sleep of "forever" (~30 years) that is
+                    // ~10⁹ steps. Real gaps cost microseconds; the budget's own durations are
+                    // validated to 1–60 s, so it has no extreme setter to test here.
+                    .budget(None),
             )
             .layer(
                 ModelFallbackLayer::new(["claude-haiku-4-5"])
@@ -212,7 +225,7 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
                     .sticky(s.sticky),
             )
             .layer(ContextOverflowLayer::new())
-            .service(http_client());
+            .service(client());
         let start = tokio::time::Instant::now();
         for _ in 0..2 {
             let req = anthropic_request(&server.url("/v1/messages"), BODY);
@@ -248,4 +261,122 @@ proptest! {
     fn extreme_durations_never_panic_or_overwait(s in setup()) {
         run(s)?;
     }
+}
+
+/// Sends one request and reads its body, bounded by a virtual 31 years so a hang fails
+/// instead of blocking.
+async fn ends<F, B, E>(call: F)
+where
+    F: std::future::Future<Output = Result<http::Response<tower_llm_retry::RetryBody<B>>, E>>,
+    B: http_body::Body + Unpin,
+    B::Error: Into<tower_llm_retry::BoxError>,
+{
+    let outcome = tokio::time::timeout(Duration::from_secs(86_400 * 366 * 31), async {
+        if let Ok(res) = call.await {
+            let _ = drain(res.into_body()).await;
+        }
+    })
+    .await;
+    assert!(outcome.is_ok(), "the request did not end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_timeout_of_duration_max_does_not_overflow() {
+    // The body stalls after its first byte: the idle timer is armed with `Duration::MAX`.
+    let server = MockServer::start(Script::new().then(Reply::stall_mid_body(200, "{")))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(RetryPolicy::default().idle_timeout(Some(Duration::MAX)))
+                .budget(None),
+        )
+        .service(client());
+    ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn jitter_on_a_backoff_of_duration_max_does_not_overflow() {
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let delays = Delays::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(
+                    RetryPolicy::default()
+                        .max_retries(1)
+                        .initial_backoff(Duration::MAX)
+                        .max_backoff(Duration::MAX)
+                        .jitter(Jitter::add(0.25).unwrap())
+                        .random(Random::from_fn(|| 0.5)),
+                )
+                .observer(delays.clone())
+                .budget(None),
+        )
+        .service(client());
+    ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
+    assert_eq!(*delays.0.lock().unwrap(), [Duration::MAX]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sticky_cooldown_of_duration_max_does_not_overflow() {
+    let server = MockServer::start(Script::new().then(Reply::overloaded()))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::default().jitter(Jitter::none())))
+        .layer(
+            ModelFallbackLayer::new(["claude-haiku-4-5"])
+                .unwrap()
+                .threshold(1)
+                .unwrap()
+                .sticky(Duration::MAX),
+        )
+        .service(client());
+    ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_huge_retry_after_closes_the_gate_for_its_longest_hold() {
+    // A Retry-After of 10¹⁹ seconds (past what an `Instant` can hold), no ceiling, the largest spread fraction: the gate
+    // closes for the longest hold (a day) without overflowing, where before the sum overflowed
+    // and the gate did not close at all.
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("10000000000000000000")))
+        .await
+        .unwrap();
+    let delays = Delays::default();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(
+                    RetryPolicy::default()
+                        .max_retries(1)
+                        .retry_after_max(Duration::MAX)
+                        .random(Random::from_fn(|| 0.0)),
+                )
+                .observer(delays.clone())
+                .cooldown_gate(Some(GateConfig::new().spread(10.0, Duration::MAX).unwrap()))
+                .budget(None),
+        )
+        .service(client());
+    let first = tokio::spawn(ends(
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    ));
+    // Once its retry is planned, the gate has seen the answer.
+    while delays.0.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let origin = server.requests()[0].received_at;
+    ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
+    let second = server.requests()[1].received_at - origin;
+    assert!(
+        second >= Duration::from_secs(86_400) && second < Duration::from_secs(86_401),
+        "{second:?}"
+    );
+    first.await.unwrap();
 }
