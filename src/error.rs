@@ -48,8 +48,6 @@ pub enum ErrorKind {
     TokenRefresh,
     /// A response body went quiet for longer than the idle timeout.
     IdleTimeout,
-    /// Every model of a fallback chain was overloaded.
-    FallbackExhausted,
     /// Reading the response body failed after it was handed to the caller (for a stream:
     /// after the commit point, when nothing is re-sent).
     ResponseBody,
@@ -84,7 +82,6 @@ impl ErrorKind {
             ErrorKind::BudgetExhausted => "budget_exhausted",
             ErrorKind::TokenRefresh => "token_refresh",
             ErrorKind::IdleTimeout => "idle_timeout",
-            ErrorKind::FallbackExhausted => "fallback_exhausted",
             ErrorKind::ResponseBody => "response_body",
             ErrorKind::FallbackTriggered => "fallback_triggered",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
@@ -102,7 +99,6 @@ impl ErrorKind {
             ErrorKind::BudgetExhausted => "retry budget exhausted",
             ErrorKind::TokenRefresh => "failed to obtain a credential",
             ErrorKind::IdleTimeout => "response body idle timeout",
-            ErrorKind::FallbackExhausted => "every fallback model was overloaded",
             ErrorKind::ResponseBody => "failed to read the response body",
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
             ErrorKind::DeadlineExceeded => {
@@ -201,11 +197,6 @@ impl Error {
     /// Returns true for [`ErrorKind::ResponseBody`].
     pub fn is_response_body(&self) -> bool {
         self.kind() == ErrorKind::ResponseBody
-    }
-
-    /// Returns true for [`ErrorKind::FallbackExhausted`].
-    pub fn is_fallback_exhausted(&self) -> bool {
-        self.kind() == ErrorKind::FallbackExhausted
     }
 
     /// Returns true for [`ErrorKind::FallbackTriggered`].

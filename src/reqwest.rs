@@ -94,10 +94,3 @@ pub(crate) fn into_reqwest_body(body: ReplayBody) -> reqwest::Body {
         None => reqwest::Body::wrap(body),
     }
 }
-
-/// Whether `error` is a reqwest error raised before any byte was sent.
-pub(crate) fn is_connect_error(error: &(dyn std::error::Error + 'static)) -> bool {
-    error
-        .downcast_ref::<reqwest::Error>()
-        .is_some_and(reqwest::Error::is_connect)
-}

@@ -15,7 +15,7 @@ use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{body_signal, BodySignal};
 use crate::classify::headers::parse_retry_after;
 use crate::error::{BoxError, Error, ErrorKind};
-use crate::retry::body::Peeked;
+use crate::retry::body::{IdleTimer, Peeked};
 use crate::retry::{HttpResponse, RetryBody};
 
 /// A bound on re-sends after rate limits, for sources that keep saying another key is free.
@@ -203,7 +203,9 @@ where
                         continue;
                     }
                     this.state.set(State::Done);
-                    return Poll::Ready(Ok(ctx.finish(head, RetryBody::peeked(peeked, None))));
+                    return Poll::Ready(Ok(
+                        ctx.finish(head, RetryBody::peeked(peeked, IdleTimer::new(None)))
+                    ));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

@@ -400,7 +400,8 @@ impl std::error::Error for RequestNotSent {}
 
 /// The default test of [`Classify::request_not_sent`]: somewhere in the source chain, a
 /// [`RequestNotSent`], an I/O error `ConnectionRefused`, or a hyper-util legacy client error
-/// raised while connecting (before any byte of the request was written).
+/// raised while connecting (before any byte of the request was written). Adapters need no
+/// special case: a reqwest connect error carries one of these in its source chain.
 pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(e) = next {
@@ -411,10 +412,6 @@ pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
             if client.is_connect() {
                 return true;
             }
-        }
-        #[cfg(feature = "reqwest")]
-        if crate::reqwest::is_connect_error(e) {
-            return true;
         }
         if let Some(io) = e.downcast_ref::<std::io::Error>() {
             if io.kind() == std::io::ErrorKind::ConnectionRefused {

@@ -17,7 +17,7 @@ use crate::classify::is_overloaded;
 use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
-use crate::retry::body::Peeked;
+use crate::retry::body::{IdleTimer, Peeked};
 use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 
 use crate::retry::ResBodyOf;
@@ -187,7 +187,7 @@ where
                     this.state.set(State::Done);
                     return Poll::Ready(ctx.finish(
                         head,
-                        RetryBody::peeked(peeked, None),
+                        RetryBody::peeked(peeked, IdleTimer::new(None)),
                         overloaded,
                     ));
                 }

@@ -10,7 +10,6 @@ use std::time::{Duration, SystemTime};
 
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::Fleet;
 use crate::classify::WallClock;
@@ -205,7 +204,7 @@ impl Gate {
         cap: Instant,
         deadline: Option<Instant>,
         random: &Random,
-    ) -> Result<Option<Instant>, GateStop> {
+    ) -> Result<Option<Instant>, PastDeadline> {
         let Some(closed) = self.closed_at(now) else {
             return Ok(None);
         };
@@ -215,7 +214,7 @@ impl Gate {
         // The gate only ever extends: a request whose deadline comes before its wait ends can
         // never start in time, so it is told at once instead of after a wait in vain.
         if deadline.is_some_and(|d| closed.until.min(cap) >= d) {
-            return Err(GateStop::Deadline);
+            return Err(PastDeadline);
         }
         let extra = crate::time::mul_f64(closed.spread, random.sample());
         let until = closed.until.min(cap).checked_add(extra).unwrap_or(cap);
@@ -243,22 +242,16 @@ impl fmt::Debug for Gate {
 /// The longest a request is held at the gate, whatever its policy's ceiling.
 const MAX_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// Why a request left the gate without its turn.
+/// The gate stays closed past the request's deadline: the request cannot start in time.
+/// (The caller's cancellation is watched by the retry loop itself, as for its other waits.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum GateStop {
-    /// The cancellation token fired while it waited.
-    Cancelled,
-    /// The gate stays closed past the request's deadline.
-    Deadline,
-}
+pub(crate) struct PastDeadline;
 
 pin_project! {
     /// A request waiting at the closed gate, as a state of the retry loop's future.
     pub(crate) struct GateWait {
         #[pin]
         sleep: Sleep,
-        #[pin]
-        cancel: Option<WaitForCancellationFutureOwned>,
         fleet: Arc<Fleet>,
         cap: Instant,
         deadline: Option<Instant>,
@@ -268,13 +261,12 @@ pin_project! {
 
 impl GateWait {
     /// The wait at the gate before an attempt, `Ok(None)` when the gate is open, or
-    /// [`GateStop::Deadline`] when it stays closed past `deadline`.
+    /// [`PastDeadline`] when it stays closed past `deadline`.
     pub(crate) fn start(
         fleet: &Arc<Fleet>,
         policy: &RetryPolicy,
         deadline: Option<Instant>,
-        cancel: Option<&CancellationToken>,
-    ) -> Result<Option<Self>, GateStop> {
+    ) -> Result<Option<Self>, PastDeadline> {
         let Some(gate) = fleet.gate.as_ref() else {
             return Ok(None);
         };
@@ -294,7 +286,6 @@ impl GateWait {
         );
         Ok(Some(GateWait {
             sleep: tokio::time::sleep_until(until),
-            cancel: cancel.map(|t| t.clone().cancelled_owned()),
             fleet: fleet.clone(),
             cap,
             deadline,
@@ -312,15 +303,10 @@ impl fmt::Debug for GateWait {
 }
 
 impl Future for GateWait {
-    type Output = Result<(), GateStop>;
+    type Output = Result<(), PastDeadline>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        if let Some(cancel) = this.cancel.as_mut().as_pin_mut() {
-            if cancel.poll(cx).is_ready() {
-                return Poll::Ready(Err(GateStop::Cancelled));
-            }
-        }
         loop {
             ready!(this.sleep.as_mut().poll(cx));
             // Closed again meanwhile (another request's 429): wait again, with a fresh share

@@ -74,7 +74,7 @@ use tokio::time::{Instant, Sleep};
 
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
-pub(crate) use self::gate::{GateStop, GateWait};
+pub(crate) use self::gate::{GateWait, PastDeadline};
 pub use self::limit::PacingConfig;
 use self::limit::Turn;
 

@@ -15,7 +15,7 @@ use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{context_overflow, Overflow};
 use crate::error::BoxError;
 use crate::json_edit;
-use crate::retry::body::Peeked;
+use crate::retry::body::{IdleTimer, Peeked};
 use crate::retry::{HttpResponse, RetryBody};
 
 use crate::retry::ResBodyOf;
@@ -167,7 +167,7 @@ where
                     let overflow = overflow.map(ContextOverflow::from);
                     return Poll::Ready(Ok(ctx.finish(
                         head,
-                        RetryBody::peeked(peeked, None),
+                        RetryBody::peeked(peeked, IdleTimer::new(None)),
                         overflow,
                     )));
                 }

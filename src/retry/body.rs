@@ -27,12 +27,62 @@ pin_project! {
     pub struct RetryBody<B> {
         #[pin]
         kind: Kind<B>,
-        // Boxed so the body stays `Unpin` whenever the inner one is; allocated only once a
-        // frame is not ready at once.
-        idle: Option<Pin<Box<Sleep>>>,
-        idle_timeout: Option<Duration>,
-        armed: bool,
+        idle: IdleTimer,
         done: bool,
+    }
+}
+
+/// The idle timeout between body frames, for the retry loop's peek and for the body it hands
+/// on (which takes the peek's timer over).
+///
+/// The clock starts when a frame is asked for and is not there yet, so a slow consumer is
+/// never blamed on the server, and stops when one comes.
+pub(crate) struct IdleTimer {
+    timeout: Option<Duration>,
+    // Boxed so the body stays `Unpin` whenever the inner one is; allocated only once a
+    // frame is not ready at once, then reused.
+    sleep: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl IdleTimer {
+    pub(crate) fn new(timeout: Option<Duration>) -> Self {
+        IdleTimer {
+            timeout,
+            sleep: None,
+            armed: false,
+        }
+    }
+
+    /// A frame came: the next wait starts a fresh clock.
+    pub(crate) fn reset(&mut self) {
+        self.armed = false;
+    }
+
+    /// Nothing is ready: `Ready` once the body has been idle for the timeout (never, without
+    /// one).
+    pub(crate) fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(timeout) = self.timeout else {
+            return Poll::Pending;
+        };
+        if !self.armed {
+            self.armed = true;
+            let deadline = crate::time::after(Instant::now(), timeout);
+            match self.sleep.as_mut() {
+                Some(sleep) => sleep.as_mut().reset(deadline),
+                None => self.sleep = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        let sleep = self.sleep.as_mut().expect("armed above");
+        sleep.as_mut().poll(cx)
+    }
+
+    /// The error for a body that stayed idle.
+    pub(crate) fn error(&self) -> Error {
+        Error::new(ErrorKind::IdleTimeout).with_source(TimedOut::new(
+            TimeoutKind::Idle,
+            self.timeout.unwrap_or_default(),
+        ))
     }
 }
 
@@ -155,19 +205,19 @@ pub(crate) fn body_error(e: BoxError) -> Error {
 
 impl<B> RetryBody<B> {
     pub(crate) fn plain(body: B, idle_timeout: Option<Duration>) -> Self {
-        Self::with_kind(Kind::Plain { body }, idle_timeout)
+        Self::with_kind(Kind::Plain { body }, IdleTimer::new(idle_timeout))
     }
 
-    pub(crate) fn peeked(peeked: Peeked<B>, idle_timeout: Option<Duration>) -> Self {
-        Self::with_kind(Kind::Peeked { peeked }, idle_timeout)
+    /// The frames read so far, then the rest, under `idle` (the peek's own timer, handed on).
+    pub(crate) fn peeked(peeked: Peeked<B>, mut idle: IdleTimer) -> Self {
+        idle.reset();
+        Self::with_kind(Kind::Peeked { peeked }, idle)
     }
 
-    fn with_kind(kind: Kind<B>, idle_timeout: Option<Duration>) -> Self {
+    fn with_kind(kind: Kind<B>, idle: IdleTimer) -> Self {
         RetryBody {
             kind,
-            idle: None,
-            idle_timeout,
-            armed: false,
+            idle,
             done: false,
         }
     }
@@ -235,34 +285,16 @@ where
         };
         match polled {
             Poll::Ready(item) => {
-                *this.armed = false;
+                this.idle.reset();
                 if matches!(item, None | Some(Err(_))) {
                     *this.done = true;
                 }
                 Poll::Ready(item.map(|r| r.map_err(body_error)))
             }
             Poll::Pending => {
-                let Some(timeout) = *this.idle_timeout else {
-                    return Poll::Pending;
-                };
-                // The clock starts when the caller asks for a frame that is not there yet,
-                // so a slow consumer is never blamed on the server.
-                if !*this.armed {
-                    *this.armed = true;
-                    let deadline = crate::time::after(Instant::now(), timeout);
-                    match this.idle.as_mut() {
-                        Some(sleep) => sleep.as_mut().reset(deadline),
-                        None => *this.idle = Some(Box::pin(tokio::time::sleep_until(deadline))),
-                    }
-                }
-                let sleep = this.idle.as_mut().expect("armed above");
-                if sleep.as_mut().poll(cx).is_ready() {
-                    *this.done = true;
-                    let err = Error::new(ErrorKind::IdleTimeout)
-                        .with_source(TimedOut::new(TimeoutKind::Idle, timeout));
-                    return Poll::Ready(Some(Err(err)));
-                }
-                Poll::Pending
+                std::task::ready!(this.idle.poll_idle(cx));
+                *this.done = true;
+                Poll::Ready(Some(Err(this.idle.error())))
             }
         }
     }
@@ -308,7 +340,7 @@ impl<B> fmt::Debug for RetryBody<B> {
         if let Kind::Peeked { peeked } = &self.kind {
             d.field("peeked_bytes", &peeked.len());
         }
-        d.field("idle_timeout", &self.idle_timeout);
+        d.field("idle_timeout", &self.idle.timeout);
         d.finish_non_exhaustive()
     }
 }

@@ -12,7 +12,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 use tracing::Span;
 
-use super::body::{Peeked, Read, RetryBody};
+use super::body::{IdleTimer, Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
@@ -22,7 +22,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
-use crate::fleet::{GateStop, GateWait, Ticket};
+use crate::fleet::{GateWait, PastDeadline, Ticket};
 use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
 };
@@ -95,7 +95,7 @@ pin_project! {
             watch: Watch,
         },
         // Fleet: waiting at the closed cooldown gate before an attempt.
-        Gated { wait: Pin<Box<GateWait>> },
+        Gated { wait: Pin<Box<GateWait>>, watch: Watch },
         // Fleet: waiting for this attempt's turn of the adaptive pacing.
         Pacing {
             ticket: Ticket,
@@ -139,8 +139,8 @@ struct PeekState<R> {
     head: Option<http::response::Parts>,
     peeked: Option<Peeked<R>>,
     mode: PeekMode,
-    idle: Option<Pin<Box<Sleep>>>,
-    armed: bool,
+    // Handed on to the body the caller gets.
+    idle: IdleTimer,
     span: Span,
 }
 
@@ -432,8 +432,7 @@ where
                                         head: Some(head),
                                         peeked: Some(Peeked::new(body)),
                                         mode,
-                                        idle: None,
-                                        armed: false,
+                                        idle: IdleTimer::new(ctx.policy().get_idle_timeout()),
                                         span,
                                     }),
                                 });
@@ -505,17 +504,13 @@ where
                         peeked,
                         mode,
                         idle,
-                        armed,
                         span,
                     } = &mut **peek;
                     let body = peeked.as_mut().expect("peek state holds the body");
-                    let idle_timeout = ctx.policy().get_idle_timeout();
                     let outcome = ready!(poll_peek(
                         body,
                         mode,
                         idle,
-                        armed,
-                        idle_timeout,
                         ctx.config.peek_limit,
                         &ctx.config.classifier,
                         cx,
@@ -523,6 +518,7 @@ where
                     let head = head.take().expect("peek state holds the head");
                     let mut peeked = peeked.take().expect("peek state holds the body");
                     let span = std::mem::replace(span, Span::none());
+                    let idle = std::mem::replace(idle, IdleTimer::new(None));
                     let status = Some(head.status);
                     let (c, commit, error) = match outcome {
                         Peek::ErrorBody => {
@@ -569,7 +565,7 @@ where
                             let truncated = matches!(outcome, Peek::Complete)
                                 && crate::stream::output_truncated(&peeked.contiguous());
                             let peeked_bytes = peeked.len();
-                            let body = RetryBody::peeked(peeked, ctx.policy().get_idle_timeout());
+                            let body = RetryBody::peeked(peeked, idle);
                             let mut res = ctx.respond(head, body, &verdict);
                             if let Some(reason) = commit {
                                 res.extensions_mut()
@@ -592,13 +588,14 @@ where
                 }
                 // Fleet: the gate reopened (or this request's wait is over); go through Ready
                 // to poll the service ready after the wait.
-                StateProj::Gated { wait } => {
-                    if let Err(stop) = ready!(wait.as_mut().poll(cx)) {
+                StateProj::Gated { wait, watch } => {
+                    if let Poll::Ready(stop) = watch.poll(cx) {
                         this.state.set(State::Done);
-                        return Poll::Ready(Err(ctx.stopped(match stop {
-                            GateStop::Cancelled => Stop::Cancelled,
-                            GateStop::Deadline => Stop::Deadline,
-                        })));
+                        return Poll::Ready(Err(ctx.stopped(stop)));
+                    }
+                    if let Err(PastDeadline) = ready!(wait.as_mut().poll(cx)) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.deadline_exceeded()));
                     }
                     ctx.gate_passed = true;
                     this.state.set(State::Ready { watch: None });
@@ -641,13 +638,10 @@ where
 }
 
 /// Reads the start of a body as `mode` asks, under the idle timeout.
-#[allow(clippy::too_many_arguments)]
 fn poll_peek<R, C>(
     peeked: &mut Peeked<R>,
     mode: &mut PeekMode,
-    idle: &mut Option<Pin<Box<Sleep>>>,
-    armed: &mut bool,
-    idle_timeout: Option<Duration>,
+    idle: &mut IdleTimer,
     peek_limit: usize,
     classifier: &C,
     cx: &mut Context<'_>,
@@ -680,7 +674,7 @@ where
         match peeked.poll_read(cx) {
             Poll::Ready(Read::End) => {}
             Poll::Ready(Read::Data) => {
-                *armed = false;
+                idle.reset();
                 if let PeekMode::Sse(scanner) = mode {
                     let frame = peeked.frames.back().expect("a frame was just read");
                     let found =
@@ -702,31 +696,14 @@ where
                 }
             }
             Poll::Pending => {
-                let Some(timeout) = idle_timeout else {
-                    return Poll::Pending;
-                };
-                if !*armed {
-                    *armed = true;
-                    let deadline = crate::time::after(Instant::now(), timeout);
-                    match idle.as_mut() {
-                        Some(sleep) => sleep.as_mut().reset(deadline),
-                        None => *idle = Some(Box::pin(tokio::time::sleep_until(deadline))),
-                    }
-                }
-                let sleep = idle.as_mut().expect("armed above");
-                if sleep.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
-                }
+                ready!(idle.poll_idle(cx));
                 // The body stalled. An error body is judged on what came; a stream or an
                 // envelope failed, and its caller (if it gets it) sees an idle timeout.
                 if let PeekMode::ErrorBody = mode {
                     return Poll::Ready(Peek::ErrorBody);
                 }
                 peeked.rest = None;
-                peeked.error = Some(Box::new(
-                    Error::new(ErrorKind::IdleTimeout)
-                        .with_source(TimedOut::new(TimeoutKind::Idle, timeout)),
-                ));
+                peeked.error = Some(Box::new(idle.error()));
                 return Poll::Ready(Peek::Failed);
             }
         }
@@ -1023,6 +1000,7 @@ where
             self.paced = None;
             return Ok(Some(State::Gated {
                 wait: Box::pin(wait),
+                watch: self.watch(),
             }));
         }
         if self.paced.is_some() {
@@ -1046,16 +1024,8 @@ where
         if self.gate_passed {
             return Ok(None);
         }
-        GateWait::start(
-            &self.config.fleet,
-            self.policy(),
-            self.deadline,
-            self.config.cancel.as_ref(),
-        )
-        .map_err(|stop| match stop {
-            GateStop::Cancelled => Stop::Cancelled,
-            GateStop::Deadline => Stop::Deadline,
-        })
+        GateWait::start(&self.config.fleet, self.policy(), self.deadline)
+            .map_err(|PastDeadline| Stop::Deadline)
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {
