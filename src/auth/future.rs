@@ -15,7 +15,7 @@ use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{body_signal, BodySignal};
 use crate::classify::headers::parse_retry_after;
 use crate::error::{BoxError, Error, ErrorKind};
-use crate::retry::body::{IdleTimer, Peeked};
+use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{HttpResponse, RetryBody};
 
 /// A bound on re-sends after rate limits, for sources that keep saying another key is free.
@@ -50,7 +50,7 @@ pin_project! {
         // The inner service is polled ready again before a re-send.
         Ready,
         Calling { #[pin] future: F },
-        Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>> },
+        Peeking { peek: PeekHead<R> },
         Done,
     }
 }
@@ -177,8 +177,7 @@ where
                         }
                         StatusCode::TOO_MANY_REQUESTS if ctx.may_rotate() => {
                             this.state.set(State::Peeking {
-                                head: Some(head),
-                                peeked: Some(Peeked::new(body)),
+                                peek: PeekHead::new(head, body),
                             });
                         }
                         _ => {
@@ -187,14 +186,8 @@ where
                         }
                     }
                 }
-                StateProj::Peeking { head, peeked } => {
-                    let limit = ctx.config.peek_limit;
-                    ready!(peeked
-                        .as_mut()
-                        .expect("peek state holds the body")
-                        .poll_fill(cx, limit));
-                    let head = head.take().expect("peek state holds the head");
-                    let peeked = peeked.take().expect("peek state holds the body");
+                StateProj::Peeking { peek } => {
+                    let (head, peeked) = ready!(peek.poll(cx, ctx.config.peek_limit));
                     let quota = body_signal(&peeked.contiguous()) == BodySignal::QuotaExhausted;
                     if !quota && ctx.rotate_after_429(&head) {
                         drop((head, peeked));

@@ -17,7 +17,7 @@ use crate::classify::is_overloaded;
 use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
-use crate::retry::body::{IdleTimer, Peeked};
+use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 
 use crate::retry::ResBodyOf;
@@ -46,7 +46,7 @@ pin_project! {
     {
         Preparing { #[pin] prepare: PrepareBody<B> },
         Calling { #[pin] future: F },
-        Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>> },
+        Peeking { peek: PeekHead<R> },
         Done,
     }
 }
@@ -166,8 +166,7 @@ where
                     };
                     if ctx.needs_body(&head) {
                         this.state.set(State::Peeking {
-                            head: Some(head),
-                            peeked: Some(Peeked::new(body)),
+                            peek: PeekHead::new(head, body),
                         });
                         continue;
                     }
@@ -175,14 +174,8 @@ where
                     this.state.set(State::Done);
                     return Poll::Ready(ctx.finish(head, RetryBody::plain(body, None), overloaded));
                 }
-                StateProj::Peeking { head, peeked } => {
-                    let limit = ctx.config.peek_limit;
-                    ready!(peeked
-                        .as_mut()
-                        .expect("peek state holds the body")
-                        .poll_fill(cx, limit));
-                    let head = head.take().expect("peek state holds the head");
-                    let peeked = peeked.take().expect("peek state holds the body");
+                StateProj::Peeking { peek } => {
+                    let (head, peeked) = ready!(peek.poll(cx, ctx.config.peek_limit));
                     let overloaded = is_overloaded(head.status, Some(&peeked.contiguous()));
                     this.state.set(State::Done);
                     return Poll::Ready(ctx.finish(

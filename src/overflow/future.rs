@@ -15,7 +15,7 @@ use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{context_overflow, Overflow};
 use crate::error::BoxError;
 use crate::json_edit;
-use crate::retry::body::{IdleTimer, Peeked};
+use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{HttpResponse, RetryBody};
 
 use crate::retry::ResBodyOf;
@@ -44,7 +44,7 @@ pin_project! {
     {
         Preparing { #[pin] prepare: PrepareBody<B> },
         Calling { #[pin] future: F },
-        Peeking { head: Option<http::response::Parts>, peeked: Option<Peeked<R>> },
+        Peeking { peek: PeekHead<R> },
         // The inner service is polled ready again before the re-send.
         Resending,
         Done,
@@ -138,22 +138,15 @@ where
                         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE
                     ) {
                         this.state.set(State::Peeking {
-                            head: Some(head),
-                            peeked: Some(Peeked::new(body)),
+                            peek: PeekHead::new(head, body),
                         });
                         continue;
                     }
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(ctx.finish(head, RetryBody::plain(body, None), None)));
                 }
-                StateProj::Peeking { head, peeked } => {
-                    let limit = ctx.config.peek_limit;
-                    ready!(peeked
-                        .as_mut()
-                        .expect("peek state holds the body")
-                        .poll_fill(cx, limit));
-                    let head = head.take().expect("peek state holds the head");
-                    let peeked = peeked.take().expect("peek state holds the body");
+                StateProj::Peeking { peek } => {
+                    let (head, peeked) = ready!(peek.poll(cx, ctx.config.peek_limit));
                     let overflow = context_overflow(&peeked.contiguous());
                     if let Some(overflow) = overflow {
                         if let Some(body) = ctx.repair(overflow) {
