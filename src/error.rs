@@ -61,6 +61,12 @@ pub enum ErrorKind {
     /// it. The source is a [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists
     /// the attempts made before.
     DeadlineExceeded,
+    /// An event stream of a known protocol (Anthropic Messages, OpenAI Chat Completions or
+    /// Responses) ended cleanly after the commit point without its terminal event: a hop cut
+    /// it. The caller has read every byte the server sent; the source is an
+    /// [`IncompleteStream`](crate::stream::IncompleteStream) saying how many and the last
+    /// event. (Before the commit point the same cut is retried like a reset.)
+    IncompleteStream,
     /// The attempt's turn in the fleet's [pacing](crate::fleet::PacingConfig) line would come
     /// later than the request may wait: its policy's
     /// [`retry_after_max`](crate::RetryPolicy::retry_after_max). (When the request's
@@ -85,6 +91,7 @@ impl ErrorKind {
             ErrorKind::ResponseBody => "response_body",
             ErrorKind::FallbackTriggered => "fallback_triggered",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
+            ErrorKind::IncompleteStream => "incomplete_stream",
             ErrorKind::PacingWaitTooLong => "pacing_wait_too_long",
         }
     }
@@ -104,6 +111,7 @@ impl ErrorKind {
             ErrorKind::DeadlineExceeded => {
                 "the request's deadline passed before an attempt could start"
             }
+            ErrorKind::IncompleteStream => "the event stream ended without its terminal event",
             ErrorKind::PacingWaitTooLong => {
                 "the turn in the pacing line is further off than the request may wait"
             }
@@ -207,6 +215,17 @@ impl Error {
     /// Returns true for [`ErrorKind::DeadlineExceeded`].
     pub fn is_deadline_exceeded(&self) -> bool {
         self.kind() == ErrorKind::DeadlineExceeded
+    }
+
+    /// Returns true for [`ErrorKind::IncompleteStream`].
+    pub fn is_incomplete_stream(&self) -> bool {
+        self.kind() == ErrorKind::IncompleteStream
+    }
+
+    /// What was delivered of a stream cut before its end, for an
+    /// [`ErrorKind::IncompleteStream`] error.
+    pub fn incomplete_stream(&self) -> Option<&crate::stream::IncompleteStream> {
+        self.inner.source.as_ref()?.downcast_ref()
     }
 
     /// Returns true for [`ErrorKind::PacingWaitTooLong`].

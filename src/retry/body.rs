@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{BoxError, Error, ErrorKind, TimedOut, TimeoutKind};
+use crate::stream::StreamScan;
 
 pin_project! {
     /// The response body of [`Retry`](super::Retry).
@@ -28,6 +29,10 @@ pin_project! {
         #[pin]
         kind: Kind<B>,
         idle: IdleTimer,
+        // An event stream followed to its protocol's terminal event, and the bytes that went
+        // to the caller (counted only then).
+        scan: Option<Box<StreamScan>>,
+        delivered: u64,
         done: bool,
     }
 }
@@ -257,8 +262,17 @@ impl<B> RetryBody<B> {
         RetryBody {
             kind,
             idle,
+            scan: None,
+            delivered: 0,
             done: false,
         }
+    }
+
+    /// Follows the stream to its terminal event: a clean end before it is an
+    /// [`ErrorKind::IncompleteStream`] error. `scan` has seen every peeked frame already.
+    pub(crate) fn follow_stream(mut self, scan: Box<StreamScan>) -> Self {
+        self.scan = Some(scan);
+        self
     }
 }
 
@@ -300,7 +314,9 @@ where
             KindProj::Plain { body } => poll_inner(body, cx),
             KindProj::Peeked { peeked } => {
                 if let Some(data) = peeked.frames.pop_front() {
+                    // Already followed by the scan while the retry loop peeked.
                     peeked.len -= data.len();
+                    *this.delivered += data.len() as u64;
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 if let Some(trailers) = peeked.trailers.take() {
@@ -327,6 +343,24 @@ where
                 this.idle.reset();
                 if matches!(item, None | Some(Err(_))) {
                     *this.done = true;
+                }
+                if let Some(scan) = this.scan.as_mut() {
+                    match &item {
+                        Some(Ok(frame)) => {
+                            if let Some(data) = frame.data_ref() {
+                                *this.delivered += data.len() as u64;
+                                scan.follow(data);
+                            }
+                        }
+                        // A clean end before the protocol's terminal event: a cut.
+                        None => {
+                            if let Some(cut) = scan.end(*this.delivered) {
+                                let err = Error::new(ErrorKind::IncompleteStream).with_source(cut);
+                                return Poll::Ready(Some(Err(err)));
+                            }
+                        }
+                        Some(Err(_)) => {}
+                    }
                 }
                 Poll::Ready(item.map(|r| r.map_err(body_error)))
             }

@@ -24,7 +24,7 @@ use crate::error::{
 };
 use crate::fleet::{GateWait, PastDeadline, Ticket};
 use crate::stream::{
-    CommitReason, OutputTruncated, ScanError, SseScanner, SseVerdict, StreamCommitted,
+    CommitReason, OutputTruncated, ScanError, SseVerdict, StreamCommitted, StreamScan,
 };
 
 pub use self::sealed::HttpResponse;
@@ -149,7 +149,7 @@ enum PeekMode {
     /// An error status: read up to the peek limit, then classify with the bytes.
     ErrorBody,
     /// A 2xx event stream: read up to the first event with visible output.
-    Sse(SseScanner),
+    Sse(Box<StreamScan>),
     /// A 2xx body read whole (up to the cap), so a truncated one can be retried.
     Envelope(usize),
 }
@@ -456,8 +456,15 @@ where
                                 }
                                 verdict => {
                                     this.state.set(State::Done);
-                                    let body =
+                                    let mut body =
                                         RetryBody::plain(body, ctx.policy().get_idle_timeout());
+                                    // With the gate off, a stream is still followed to its end.
+                                    if ctx.config.stream_end_check
+                                        && head.status.is_success()
+                                        && is_event_stream(&head)
+                                    {
+                                        body = body.follow_stream(Box::new(StreamScan::new()));
+                                    }
                                     return Poll::Ready(Ok(ctx.respond(head, body, &verdict)));
                                 }
                             }
@@ -512,9 +519,11 @@ where
                         mode,
                         idle,
                         ctx.config.peek_limit,
+                        ctx.config.stream_end_check,
                         &ctx.config.classifier,
                         cx,
                     ));
+                    let mode = std::mem::replace(mode, PeekMode::ErrorBody);
                     let head = head.take().expect("peek state holds the head");
                     let mut peeked = peeked.take().expect("peek state holds the body");
                     let span = std::mem::replace(span, Span::none());
@@ -565,7 +574,15 @@ where
                             let truncated = matches!(outcome, Peek::Complete)
                                 && crate::stream::output_truncated(&peeked.contiguous());
                             let peeked_bytes = peeked.len();
-                            let body = RetryBody::peeked(peeked, idle);
+                            let mut body = RetryBody::peeked(peeked, idle);
+                            // A committed stream is followed to its terminal event, from
+                            // where the peek's scan left it.
+                            if let (PeekMode::Sse(mut scan), Some(_)) = (mode, commit) {
+                                if ctx.config.stream_end_check {
+                                    scan.widen();
+                                    body = body.follow_stream(scan);
+                                }
+                            }
                             let mut res = ctx.respond(head, body, &verdict);
                             if let Some(reason) = commit {
                                 res.extensions_mut()
@@ -643,6 +660,7 @@ fn poll_peek<R, C>(
     mode: &mut PeekMode,
     idle: &mut IdleTimer,
     peek_limit: usize,
+    stream_end_check: bool,
     classifier: &C,
     cx: &mut Context<'_>,
 ) -> Poll<Peek>
@@ -658,6 +676,17 @@ where
                 return Poll::Ready(Peek::ErrorBody)
             }
             PeekMode::Sse(_) if done && peeked.error.is_some() => return Poll::Ready(Peek::Failed),
+            // A clean end before any output and before the protocol's terminal event: cut, as
+            // a reset would be, and retried like one (nothing was shown yet).
+            PeekMode::Sse(scan) if done && stream_end_check => {
+                if let Some(cut) = scan.end(peeked.len() as u64) {
+                    peeked.error = Some(Box::new(
+                        Error::new(ErrorKind::IncompleteStream).with_source(cut),
+                    ));
+                    return Poll::Ready(Peek::Failed);
+                }
+                return Poll::Ready(Peek::Commit(CommitReason::EndOfStream));
+            }
             PeekMode::Sse(_) if done => {
                 return Poll::Ready(Peek::Commit(CommitReason::EndOfStream))
             }
@@ -842,7 +871,7 @@ where
             return self
                 .config
                 .sse_gate
-                .then(|| PeekMode::Sse(SseScanner::new(self.config.peek_limit)));
+                .then(|| PeekMode::Sse(Box::new(StreamScan::with_limit(self.config.peek_limit))));
         }
         self.config.buffer_responses.map(PeekMode::Envelope)
     }

@@ -31,6 +31,7 @@ pub(crate) struct Config<C> {
     pub(crate) observer: Option<Arc<dyn RetryObserver>>,
     pub(crate) attempt_header: Option<HeaderName>,
     pub(crate) sse_gate: bool,
+    pub(crate) stream_end_check: bool,
     pub(crate) buffer_responses: Option<usize>,
     /// Shared by every service made from this layer and its clones.
     pub(crate) fleet: Arc<Fleet>,
@@ -50,6 +51,7 @@ impl RetryLayer {
                 observer: None,
                 attempt_header: None,
                 sse_gate: true,
+                stream_end_check: true,
                 buffer_responses: None,
                 fleet: Fleet::new(Some(BudgetConfig::default()), None, None),
             },
@@ -83,6 +85,7 @@ impl<C> RetryLayer<C> {
                 observer: c.observer,
                 attempt_header: c.attempt_header,
                 sse_gate: c.sse_gate,
+                stream_end_check: c.stream_end_check,
                 buffer_responses: c.buffer_responses,
                 fleet: c.fleet,
             },
@@ -176,6 +179,19 @@ impl<C> RetryLayer<C> {
         self
     }
 
+    /// Whether a `text/event-stream` response of a known protocol (Anthropic Messages, OpenAI
+    /// Chat Completions, OpenAI Responses) must reach its terminal event (`message_stop`, a
+    /// chunk with a `finish_reason`, `response.completed` …) before its body may end: a clean
+    /// end before it, which a cutting hop produces, is then an
+    /// [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream) body error after
+    /// the commit point (the caller's stream raises instead of ending) and is retried like a
+    /// reset before it. Streams of other protocols pass through as they are. The check
+    /// follows the events incrementally and copies no bytes. Defaults to true.
+    pub fn stream_end_check(mut self, on: bool) -> Self {
+        self.config.stream_end_check = on;
+        self
+    }
+
     /// Reads successful non-streaming response bodies whole, up to `cap` bytes, inside the
     /// retry loop: a body that fails or ends short (reset mid-body, content-length mismatch)
     /// is then retried as [`FailureClass::TruncatedEnvelope`](crate::FailureClass) instead of
@@ -213,6 +229,7 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("observer", &self.observer.is_some())
             .field("attempt_header", &self.attempt_header)
             .field("sse_gate", &self.sse_gate)
+            .field("stream_end_check", &self.stream_end_check)
             .field("buffer_responses", &self.buffer_responses)
             .field("fleet", &self.fleet)
             .finish()

@@ -37,8 +37,11 @@
 //! can say otherwise.
 
 mod sse;
+mod terminal;
 
 pub use self::sse::{ScanError, SseEvent, SseScanner};
+pub(crate) use self::terminal::StreamScan;
+pub use self::terminal::{IncompleteStream, StreamProtocol};
 
 use std::borrow::Cow;
 

@@ -80,6 +80,11 @@ impl SseScanner {
         }
     }
 
+    /// Changes how many bytes of one unfinished event may be held.
+    pub(crate) fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     /// Feeds `chunk`, calling `on_event` with each event it completes, in order. Stops early
     /// and returns `Ok(Some(v))` as soon as `on_event` returns `Some(v)`.
     pub fn push<T>(
