@@ -127,6 +127,7 @@
 pub mod auth;
 pub mod body;
 pub mod classify;
+pub mod continuation;
 mod error;
 pub mod fallback;
 pub mod fleet;
@@ -152,6 +153,7 @@ pub use crate::auth::{
 };
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
+pub use crate::continuation::{Continuation, ContinuationLayer, Continued, TruncatedToolCall};
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
     TimedOut, TimeoutKind,
