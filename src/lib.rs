@@ -132,6 +132,7 @@ mod error;
 pub mod fallback;
 pub mod fleet;
 pub mod json_edit;
+pub mod mcp;
 pub mod overflow;
 pub mod retry;
 pub mod stream;
@@ -160,6 +161,7 @@ pub use crate::error::{
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
 pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
+pub use crate::mcp::{McpGate, McpGateLayer};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
 };
