@@ -127,10 +127,12 @@
 pub mod auth;
 pub mod body;
 pub mod classify;
+pub mod continuation;
 mod error;
 pub mod fallback;
 pub mod fleet;
 pub mod json_edit;
+pub mod mcp;
 pub mod overflow;
 pub mod retry;
 pub mod stream;
@@ -152,12 +154,14 @@ pub use crate::auth::{
 };
 pub use crate::body::ReplayBody;
 pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
+pub use crate::continuation::{Continuation, ContinuationLayer, Continued, TruncatedToolCall};
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
 pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
+pub use crate::mcp::{McpGate, McpGateLayer};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
 };

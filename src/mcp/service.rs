@@ -1,0 +1,69 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::layer::Config;
+use super::McpBody;
+use crate::body::ReplayBody;
+use crate::error::BoxError;
+
+/// Middleware for MCP streamable-HTTP clients that marks each JSON-RPC request for
+/// [`RetryLayer`](crate::RetryLayer) by what it calls, and keeps the session id.
+///
+/// Built by [`McpGateLayer`](super::McpGateLayer); see the [module docs](crate::mcp). Errors
+/// of the inner service pass through untouched; the layer's own (body errors while it
+/// buffers the request) are an [`Error`](crate::Error), boxed.
+#[derive(Clone, Debug)]
+pub struct McpGate<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> McpGate<S> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
+        McpGate { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for McpGate<S>
+where
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Body,
+{
+    type Response = Response<McpBody<ResBody>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(inner, self.config.clone(), req)
+    }
+}
