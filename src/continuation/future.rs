@@ -15,7 +15,7 @@ use super::stitch::{self, Round};
 use super::{ContinuationBody, Continued, TruncatedToolCall};
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::error::BoxError;
-use crate::retry::body::Peeked;
+use crate::retry::body::{IdleTimer, Peeked};
 use crate::retry::{HttpResponse, ResBodyOf, RetryBody};
 use crate::stream::OutputTruncated;
 
@@ -226,7 +226,7 @@ impl<S> Ctx<S> {
                 // Not an answer this layer reads: as it came.
                 return Some(Response::from_parts(
                     head,
-                    ContinuationBody::inner(RetryBody::peeked(peeked, None)),
+                    ContinuationBody::inner(RetryBody::peeked(peeked, IdleTimer::new(None))),
                 ));
             }
             tracing::warn!("a continuation follow-up did not return an answer");
@@ -235,7 +235,7 @@ impl<S> Ctx<S> {
         if first && (!round.at_limit || round.tool_call.is_some() || !self.can_continue(&round)) {
             let mut res = Response::from_parts(
                 head,
-                ContinuationBody::inner(RetryBody::peeked(peeked, None)),
+                ContinuationBody::inner(RetryBody::peeked(peeked, IdleTimer::new(None))),
             );
             if round.at_limit {
                 res.extensions_mut().insert(OutputTruncated);
