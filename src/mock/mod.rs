@@ -1,13 +1,36 @@
 //! A fault-injecting fake LLM provider for testing retry stacks.
 //!
-//! [`MockServer`] is a real HTTP/1 server on `127.0.0.1` that answers each
+//! [`MockServer`] is a real HTTP server on `127.0.0.1` that answers each
 //! request according to a [`Script`]: realistic Anthropic and OpenAI success
 //! and error bodies, rate limits with `retry-after`, overload, delays,
-//! connections reset or stalled before or during the response, and
-//! server-sent event streams that fail part-way.
+//! connections reset or stalled before or during the response, server-sent
+//! event streams that fail part-way, and the HTTP/2 stream and connection
+//! errors (`REFUSED_STREAM`, `GOAWAY`, `RST_STREAM`).
 //!
-//! Every request is recorded with its arrival time, so tests can assert how
-//! often and how far apart a client retried.
+//! Every request is recorded with its arrival time and HTTP version, so
+//! tests can assert how often and how far apart a client retried.
+//!
+//! # HTTPS and HTTP/2
+//!
+//! [`MockServer::start`] serves plain TCP and speaks HTTP/1.1 or HTTP/2 with
+//! prior knowledge (h2c), whichever each connection starts with.
+//! [`MockServer::builder`] adds TLS, with a certificate authority and a
+//! certificate for `localhost` and `127.0.0.1` made at start, and can pin
+//! the version with [`Protocol`]; over TLS it is negotiated by ALPN. The
+//! same scripts run on every combination.
+//!
+//! Some faults exist only on HTTP/2, and degrade on HTTP/1.1:
+//!
+//! | reply | HTTP/2 | HTTP/1.1 |
+//! | --- | --- | --- |
+//! | [`Reply::refused_stream`] | `RST_STREAM` `REFUSED_STREAM`, no response | connection closed, no response |
+//! | [`Reply::goaway`] | `GOAWAY` refusing this stream and those after it | connection closed, no response |
+//! | [`Reply::reset_stream_after_head`] | head, then `RST_STREAM` `INTERNAL_ERROR` | head, then connection aborted |
+//! | [`Reply::sse_then_reset_stream`] | events, then `RST_STREAM` `INTERNAL_ERROR` | events, then connection aborted |
+//! | [`Reply::reset`], [`Reply::reset_mid_body`], [`Reply::sse_then_reset`] | the whole connection dropped, every stream on it failing | connection aborted |
+//!
+//! TLS uses `rustls` with the `ring` provider, named explicitly, so it
+//! needs no process-wide default provider.
 //!
 //! # Time
 //!
@@ -63,10 +86,12 @@
 //! # }
 //! ```
 
+mod http2;
 mod json;
 mod script;
 mod server;
 pub mod sse;
+mod tls;
 
 pub use self::script::{Capacity, Reply, Script, SseEvent};
-pub use self::server::{MockServer, RecordedRequest};
+pub use self::server::{MockServer, MockServerBuilder, Protocol, RecordedRequest};

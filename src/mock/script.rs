@@ -245,7 +245,10 @@ impl TokenBucket {
 ///
 /// Builders such as [`Reply::success`] and [`Reply::anthropic_error`] produce
 /// realistic provider responses; [`Reply::reset`], [`Reply::stall`] and the
-/// `*_mid_body` variants produce transport failures.
+/// `*_mid_body` variants produce transport failures; [`Reply::refused_stream`],
+/// [`Reply::goaway`] and [`Reply::reset_stream_after_head`] produce HTTP/2
+/// stream and connection errors, and degrade to closing the connection on
+/// HTTP/1.1.
 #[derive(Clone, Debug)]
 pub struct Reply {
     pub(super) status: StatusCode,
@@ -265,13 +268,31 @@ pub(super) enum Payload {
     },
     Reset,
     Stall,
+    /// HTTP/2: `RST_STREAM` with `REFUSED_STREAM` before any response.
+    RefusedStream,
+    /// HTTP/2: `GOAWAY` whose last-stream-id is just below this stream.
+    GoAway,
+}
+
+impl Payload {
+    /// Whether the reply never sends a response head.
+    pub(super) fn sends_no_head(&self) -> bool {
+        matches!(
+            self,
+            Payload::Reset | Payload::Stall | Payload::RefusedStream | Payload::GoAway
+        )
+    }
 }
 
 /// How a streamed body ends once its events have been written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum End {
     Finish,
+    /// Abort the connection (on HTTP/2, every stream on it).
     Reset,
+    /// HTTP/2: `RST_STREAM` with `INTERNAL_ERROR` on this stream only; on
+    /// HTTP/1.1 the same as `Reset`.
+    ResetStream,
     Stall,
 }
 
@@ -309,10 +330,11 @@ impl Reply {
 
     /// Replaces the response body.
     ///
-    /// Has no effect on [`Reply::reset`] and [`Reply::stall`], which never
-    /// send a response.
+    /// Has no effect on the replies that never send a response:
+    /// [`Reply::reset`], [`Reply::stall`], [`Reply::refused_stream`] and
+    /// [`Reply::goaway`].
     pub fn body(mut self, body: impl Into<Bytes>) -> Self {
-        if !matches!(self.payload, Payload::Reset | Payload::Stall) {
+        if !self.payload.sends_no_head() {
             self.payload = Payload::Full(body.into());
         }
         self
@@ -321,7 +343,8 @@ impl Reply {
     /// Replaces the response body with `value` and sets
     /// `content-type: application/json`.
     ///
-    /// Has no effect on [`Reply::reset`] and [`Reply::stall`].
+    /// Has no effect on the replies that never send a response, as with
+    /// [`Reply::body`].
     pub fn json(self, value: Value) -> Self {
         self.json_text(value.to_string())
     }
@@ -434,7 +457,8 @@ impl Reply {
 
     /// Reads the request, then closes the connection without responding.
     ///
-    /// Clients see the connection closed before the response began.
+    /// Clients see the connection closed before the response began. On
+    /// HTTP/2 the whole connection closes, failing every stream on it.
     pub fn reset() -> Self {
         Self {
             payload: Payload::Reset,
@@ -453,7 +477,10 @@ impl Reply {
 
     /// Sends the head and `first`, then aborts the connection.
     ///
-    /// The body is sent chunked, so clients see the body fail part-way.
+    /// The body is sent chunked, so clients see the body fail part-way. On
+    /// HTTP/2 the whole connection is dropped mid-stream, failing every
+    /// stream on it; [`Reply::reset_stream_after_head`] fails one stream
+    /// only.
     ///
     /// # Panics
     ///
@@ -480,8 +507,72 @@ impl Reply {
 
     /// Like [`Reply::sse`], but aborts the connection after the last event
     /// instead of ending the body.
+    ///
+    /// On HTTP/2 the whole connection is dropped mid-stream, failing every
+    /// stream on it.
     pub fn sse_then_reset(events: Vec<SseEvent>) -> Self {
         Self::event_stream(events, End::Reset)
+    }
+
+    /// Like [`Reply::sse`], but resets the stream after the last event
+    /// instead of ending the body.
+    ///
+    /// On HTTP/2 the server sends `RST_STREAM` with `INTERNAL_ERROR` on this
+    /// stream only; other streams on the connection carry on. On HTTP/1.1,
+    /// which has no streams, it aborts the connection, as
+    /// [`Reply::sse_then_reset`] does.
+    pub fn sse_then_reset_stream(events: Vec<SseEvent>) -> Self {
+        Self::event_stream(events, End::ResetStream)
+    }
+
+    /// Sends the response head, then resets the stream before any body.
+    ///
+    /// On HTTP/2 the server sends `HEADERS` and then `RST_STREAM` with
+    /// `INTERNAL_ERROR`: the client has a response whose body fails. Other
+    /// streams on the connection carry on. On HTTP/1.1 the head goes out
+    /// with a chunked body, then the connection is aborted.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn reset_stream_after_head(status: u16) -> Self {
+        Self::streamed(status, Vec::new(), End::ResetStream)
+    }
+
+    /// Reads the request, then refuses it: on HTTP/2, `RST_STREAM` with
+    /// `REFUSED_STREAM` before any response.
+    ///
+    /// `REFUSED_STREAM` tells the client the server did no processing of
+    /// the request, so even a request that is not safe to repeat may be sent
+    /// again. Other streams on the connection carry on.
+    ///
+    /// On HTTP/1.1, which cannot say so, the connection closes without a
+    /// response, as with [`Reply::reset`].
+    pub fn refused_stream() -> Self {
+        Self {
+            payload: Payload::RefusedStream,
+            ..Self::status(200)
+        }
+    }
+
+    /// Reads the request, then sends `GOAWAY` refusing this stream and every
+    /// stream after it.
+    ///
+    /// On HTTP/2 the `GOAWAY` (`NO_ERROR`) carries a last-stream-id just
+    /// below this request's stream id (the id minus two, the client's
+    /// previous stream). Streams at or below it, already in flight, are
+    /// still answered by their own replies; streams above it, this one
+    /// included, get nothing more, which tells the client none of them was
+    /// processed. The connection closes once the streams at or below the
+    /// last-stream-id have finished.
+    ///
+    /// On HTTP/1.1 the connection closes without a response, as with
+    /// [`Reply::reset`].
+    pub fn goaway() -> Self {
+        Self {
+            payload: Payload::GoAway,
+            ..Self::status(200)
+        }
     }
 
     /// Like [`Reply::sse`], but never ends the body after the last event;

@@ -8,23 +8,31 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, Method, Request, Response, Uri};
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::CertificateDer;
+use rustls::{ClientConfig, RootCertStore};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::script::{success_body, End, Payload, Reply, Rule, Script, SseEvent, TokenBucket};
+use super::tls::Tls;
 
-/// A fake LLM provider: a real HTTP/1 server on `127.0.0.1` that answers
+/// A fake LLM provider: a real HTTP server on `127.0.0.1` that answers
 /// according to a [`Script`].
+///
+/// [`MockServer::start`] serves plain TCP, HTTP/1.1 or HTTP/2 with prior
+/// knowledge (h2c), told apart by the first bytes of each connection.
+/// [`MockServer::builder`] adds HTTPS and pins the protocol.
 ///
 /// The server runs as tasks on the runtime that called
 /// [`start`](MockServer::start); all scripted delays use [`tokio::time`], so
@@ -36,6 +44,105 @@ pub struct MockServer {
     shared: Arc<Shared>,
     shutdown: CancellationToken,
     accept: AbortHandle,
+    tls: Option<Arc<Tls>>,
+}
+
+/// The HTTP versions a [`MockServer`] speaks.
+///
+/// Over TLS the choice is made by ALPN: the server offers `http/1.1`, `h2`
+/// or both. On plain TCP, [`Http2`](Protocol::Http2) means HTTP/2 with prior
+/// knowledge (h2c), and [`Auto`](Protocol::Auto) reads the first bytes of a
+/// connection to tell the HTTP/2 connection preface from an HTTP/1.1
+/// request, as it also does over TLS when the client offered no ALPN.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Protocol {
+    /// HTTP/1.1 only.
+    Http1,
+    /// HTTP/2 only.
+    Http2,
+    /// Either, as the client chooses.
+    #[default]
+    Auto,
+}
+
+/// Configures and starts a [`MockServer`]; made by [`MockServer::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until started"]
+pub struct MockServerBuilder {
+    script: Script,
+    tls: bool,
+    protocol: Protocol,
+}
+
+impl MockServerBuilder {
+    /// Serves HTTPS with a certificate made at start, for `localhost` and
+    /// `127.0.0.1`, signed by a certificate authority made with it.
+    ///
+    /// Clients trust the server through [`MockServer::ca_cert_der`],
+    /// [`MockServer::ca_cert_pem`], [`MockServer::root_cert_store`] or a
+    /// ready [`MockServer::tls_client_config`].
+    ///
+    /// Defaults to `false`: plain TCP.
+    pub fn tls(mut self, enabled: bool) -> Self {
+        self.tls = enabled;
+        self
+    }
+
+    /// The HTTP versions the server speaks.
+    ///
+    /// Defaults to [`Protocol::Auto`].
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// Binds `127.0.0.1` on an ephemeral port and starts serving.
+    ///
+    /// # Errors
+    ///
+    /// Fails if the port cannot be bound or the certificate cannot be made.
+    ///
+    /// # Panics
+    ///
+    /// Panics if called outside a Tokio runtime.
+    pub async fn start(self) -> io::Result<MockServer> {
+        let tls = match self.tls {
+            true => Some(Arc::new(Tls::generate(self.protocol)?)),
+            false => None,
+        };
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr = listener.local_addr()?;
+        let script = self.script;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                rules: script.rules,
+                steps: script.steps,
+                otherwise: script.otherwise,
+                bucket: script.capacity.as_ref().map(|c| c.bucket()),
+                requests: Vec::new(),
+            }),
+        });
+        let shutdown = CancellationToken::new();
+        let settings = Arc::new(Settings {
+            tls: tls.clone(),
+            protocol: self.protocol,
+        });
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            shared.clone(),
+            settings,
+            shutdown.clone(),
+        ));
+
+        Ok(MockServer {
+            addr,
+            shared,
+            shutdown,
+            accept: accept.abort_handle(),
+            tls,
+        })
+    }
 }
 
 /// A request the server received.
@@ -43,10 +150,15 @@ pub struct MockServer {
 pub struct RecordedRequest {
     /// The request method.
     pub method: Method,
-    /// The request target, as sent (usually just a path and query).
+    /// The request target: on HTTP/1.1 as sent (usually just a path and
+    /// query); on HTTP/2 the full URI the pseudo-headers make, with scheme
+    /// and authority.
     pub uri: Uri,
-    /// The request headers.
+    /// The request headers (on HTTP/2, without the pseudo-headers).
     pub headers: HeaderMap,
+    /// The HTTP version the request came on: [`Version::HTTP_11`] or
+    /// [`Version::HTTP_2`].
+    pub version: Version,
     /// The complete request body.
     pub body: Bytes,
     /// When the full request had been read, on the [`tokio::time`] clock.
@@ -61,32 +173,43 @@ impl RecordedRequest {
 }
 
 impl MockServer {
-    /// Binds `127.0.0.1` on an ephemeral port and starts serving `script`.
+    /// Binds `127.0.0.1` on an ephemeral port and starts serving `script`
+    /// over plain TCP, HTTP/1.1 or h2c, as each connection starts.
+    ///
+    /// The same as `MockServer::builder(script).start()`.
     ///
     /// # Panics
     ///
     /// Panics if called outside a Tokio runtime.
     pub async fn start(script: Script) -> io::Result<MockServer> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                rules: script.rules,
-                steps: script.steps,
-                otherwise: script.otherwise,
-                bucket: script.capacity.as_ref().map(|c| c.bucket()),
-                requests: Vec::new(),
-            }),
-        });
-        let shutdown = CancellationToken::new();
-        let accept = tokio::spawn(accept_loop(listener, shared.clone(), shutdown.clone()));
+        MockServer::builder(script).start().await
+    }
 
-        Ok(MockServer {
-            addr,
-            shared,
-            shutdown,
-            accept: accept.abort_handle(),
-        })
+    /// A builder for a server answering with `script`, to serve HTTPS or
+    /// pin the HTTP version.
+    ///
+    /// ```
+    /// use tower_llm_retry::mock::{MockServer, Protocol, Script};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> std::io::Result<()> {
+    /// let server = MockServer::builder(Script::new())
+    ///     .tls(true)
+    ///     .protocol(Protocol::Http2)
+    ///     .start()
+    ///     .await?;
+    /// assert!(server.url("/v1/messages").starts_with("https://127.0.0.1:"));
+    /// let roots = server.root_cert_store().expect("a TLS server has a CA");
+    /// assert_eq!(roots.len(), 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(script: Script) -> MockServerBuilder {
+        MockServerBuilder {
+            script,
+            tls: false,
+            protocol: Protocol::Auto,
+        }
     }
 
     /// The address the server listens on.
@@ -95,10 +218,11 @@ impl MockServer {
     }
 
     /// The URL of `path` on this server, such as
-    /// `http://127.0.0.1:49152/v1/messages`.
+    /// `http://127.0.0.1:49152/v1/messages` (`https://` when serving TLS).
     pub fn url(&self, path: &str) -> String {
         let slash = if path.starts_with('/') { "" } else { "/" };
-        format!("http://{}{slash}{path}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}{slash}{path}", self.addr)
     }
 
     /// Like [`url`](MockServer::url), as a [`Uri`].
@@ -110,6 +234,32 @@ impl MockServer {
         let url = self.url(path);
         url.parse()
             .unwrap_or_else(|e| panic!("invalid URI {url:?}: {e}"))
+    }
+
+    /// The certificate authority that signed the server's certificate, in
+    /// DER; `None` unless the server serves TLS.
+    pub fn ca_cert_der(&self) -> Option<&CertificateDer<'static>> {
+        self.tls.as_ref().map(|tls| &tls.ca_der)
+    }
+
+    /// The certificate authority that signed the server's certificate, in
+    /// PEM; `None` unless the server serves TLS.
+    pub fn ca_cert_pem(&self) -> Option<&str> {
+        self.tls.as_ref().map(|tls| tls.ca_pem.as_str())
+    }
+
+    /// A root store trusting only this server's certificate authority;
+    /// `None` unless the server serves TLS.
+    pub fn root_cert_store(&self) -> Option<RootCertStore> {
+        self.tls.as_ref().map(|tls| tls.root_store())
+    }
+
+    /// A client configuration trusting only this server's certificate
+    /// authority, with the `ring` crypto provider and no ALPN protocols (a
+    /// connector such as `hyper-rustls` sets those); `None` unless the
+    /// server serves TLS.
+    pub fn tls_client_config(&self) -> Option<ClientConfig> {
+        self.tls.as_ref().map(|tls| tls.client_config())
     }
 
     /// Every request received so far, in arrival order.
@@ -154,6 +304,7 @@ impl fmt::Debug for MockServer {
         let state = self.shared.lock();
         f.debug_struct("MockServer")
             .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
             .field("requests", &state.requests.len())
             .field("pending_steps", &state.steps.len())
             .field("shut_down", &self.shutdown.is_cancelled())
@@ -161,7 +312,7 @@ impl fmt::Debug for MockServer {
     }
 }
 
-struct Shared {
+pub(super) struct Shared {
     state: Mutex<State>,
 }
 
@@ -180,7 +331,7 @@ impl Shared {
     }
 
     /// Records `request` and picks its reply; returns the request's index too.
-    fn record(&self, request: RecordedRequest) -> (usize, Reply) {
+    pub(super) fn record(&self, request: RecordedRequest) -> (usize, Reply) {
         let mut state = self.lock();
         let now = request.received_at;
         let index = state.requests.len();
@@ -203,7 +354,18 @@ impl Shared {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
+/// How every connection is served.
+struct Settings {
+    tls: Option<Arc<Tls>>,
+    protocol: Protocol,
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    settings: Arc<Settings>,
+    shutdown: CancellationToken,
+) {
     // Connection tasks live in this set so that ending this task, by
     // cancellation or abort, also ends every connection.
     let mut connections = JoinSet::new();
@@ -214,7 +376,17 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, shutdown: Cance
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    connections.spawn(serve_connection(stream, shared.clone(), shutdown.clone()));
+                    // Each scripted frame goes out when written: Nagle's
+                    // algorithm would hold a small write behind the client's
+                    // delayed ACK, tens of milliseconds that paused time
+                    // never waits for.
+                    let _ = stream.set_nodelay(true);
+                    connections.spawn(serve_connection(
+                        stream,
+                        shared.clone(),
+                        settings.clone(),
+                        shutdown.clone(),
+                    ));
                 }
                 // Typically running out of file descriptors; back off instead
                 // of spinning on an error that will repeat immediately.
@@ -224,14 +396,122 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, shutdown: Cance
     }
 }
 
-async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: CancellationToken) {
-    let service = service_fn(move |req| handle(shared.clone(), req));
-    let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+async fn serve_connection(
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    settings: Arc<Settings>,
+    shutdown: CancellationToken,
+) {
     tokio::select! {
         // Connection errors are mostly the scripted faults themselves, or the
         // client giving up; neither is worth reporting.
-        _ = conn => {}
+        _ = serve(stream, shared, &settings) => {}
         () = shutdown.cancelled() => {}
+    }
+}
+
+async fn serve(stream: TcpStream, shared: Arc<Shared>, settings: &Settings) -> io::Result<()> {
+    let (io, alpn): (Box<dyn Io>, _) = match &settings.tls {
+        Some(tls) => {
+            let stream = tls.acceptor.accept(stream).await?;
+            let alpn = stream.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+            (Box::new(stream), alpn)
+        }
+        None => (Box::new(stream), None),
+    };
+    let mut io = Rewind::new(io);
+    let http2 = match (alpn.as_deref(), settings.protocol) {
+        (Some(alpn), _) => alpn == b"h2",
+        (None, Protocol::Http1) => false,
+        (None, Protocol::Http2) => true,
+        (None, Protocol::Auto) => io.sniff_preface().await?,
+    };
+
+    if http2 {
+        super::http2::serve(io, shared).await;
+    } else {
+        let service = service_fn(move |req| handle(shared.clone(), req));
+        http1::Builder::new()
+            .serve_connection(TokioIo::new(io), service)
+            .await
+            .map_err(io::Error::other)?;
+    }
+    Ok(())
+}
+
+/// What a connection runs over: a TCP stream, or TLS over one.
+pub(super) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// A connection whose first bytes, once read to tell the protocol, are read
+/// again by whoever serves it.
+pub(super) struct Rewind {
+    prefix: Bytes,
+    inner: Box<dyn Io>,
+}
+
+/// What an HTTP/2 client sends first (RFC 9113, section 3.4).
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+impl Rewind {
+    fn new(inner: Box<dyn Io>) -> Self {
+        Self {
+            prefix: Bytes::new(),
+            inner,
+        }
+    }
+
+    /// Reads until the bytes either are the HTTP/2 preface or cannot be.
+    async fn sniff_preface(&mut self) -> io::Result<bool> {
+        let mut buf = BytesMut::with_capacity(PREFACE.len());
+        let http2 = loop {
+            let seen = buf.len().min(PREFACE.len());
+            if !PREFACE.starts_with(&buf[..seen]) {
+                break false;
+            }
+            if seen == PREFACE.len() {
+                break true;
+            }
+            if self.inner.read_buf(&mut buf).await? == 0 {
+                break false;
+            }
+        };
+        self.prefix = buf.freeze();
+        Ok(http2)
+    }
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.prefix.is_empty() {
+            return Pin::new(&mut self.inner).poll_read(cx, buf);
+        }
+        let n = self.prefix.len().min(buf.remaining());
+        buf.put_slice(&self.prefix.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -243,6 +523,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
         method: parts.method,
         uri: parts.uri,
         headers: parts.headers,
+        version: parts.version,
         body: body.clone(),
         received_at: Instant::now(),
     });
@@ -254,7 +535,9 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
     let body = match reply.payload {
         // An error from the service makes the connection close without a
         // response, which is exactly what a reset looks like to the client.
-        Payload::Reset => {
+        // HTTP/1.1 cannot tell the client a request went unprocessed; the
+        // nearest it has is closing the connection without a response.
+        Payload::Reset | Payload::RefusedStream | Payload::GoAway => {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionReset,
                 "scripted reset",
@@ -275,7 +558,8 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
     Ok(response)
 }
 
-/// Response body: either complete up front, or a timed sequence of frames.
+/// HTTP/1.1 response body: either complete up front, or a timed sequence of
+/// frames.
 #[derive(Debug)]
 pub(super) struct MockBody {
     kind: Kind,
@@ -344,7 +628,7 @@ impl Body for MockBody {
                     // Nothing will ever wake this; the connection ends only
                     // when the server shuts down.
                     End::Stall => Poll::Pending,
-                    End::Reset if !*yielded => {
+                    End::Reset | End::ResetStream if !*yielded => {
                         // The connection writes buffered frames only when the
                         // body is pending, and drops them if the body fails
                         // first; yield once so the last frame goes out.
@@ -354,7 +638,7 @@ impl Body for MockBody {
                     }
                     // An error from the body makes the connection abort
                     // without finishing the message.
-                    End::Reset => Poll::Ready(Some(Err(io::Error::new(
+                    End::Reset | End::ResetStream => Poll::Ready(Some(Err(io::Error::new(
                         io::ErrorKind::ConnectionReset,
                         "scripted reset mid-body",
                     )))),
