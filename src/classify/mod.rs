@@ -84,6 +84,11 @@ pub enum FailureClass {
     TruncatedEnvelope,
     /// A status outside 2xx, 4xx and 5xx that a classifier chose to call a failure.
     Other,
+    /// HTTP/2 proved the server never processed the request: its stream was refused
+    /// (`RST_STREAM` with `REFUSED_STREAM`) or was above the last stream id of a `GOAWAY`.
+    /// Re-sent at once, once per attempt, even when the request is
+    /// [`NotReplaySafe`](crate::NotReplaySafe) (see [`never_processed`]).
+    NotProcessed,
 }
 
 impl FailureClass {
@@ -102,6 +107,7 @@ impl FailureClass {
             FailureClass::Client => "client",
             FailureClass::TruncatedEnvelope => "truncated_envelope",
             FailureClass::Other => "other",
+            FailureClass::NotProcessed => "not_processed",
         }
     }
 
@@ -360,6 +366,9 @@ impl Classify for DefaultClassifier {
             }
             next = e.source();
         }
+        if never_processed(error) {
+            return Classification::retry(FailureClass::NotProcessed);
+        }
         Classification::retry(FailureClass::Transport)
     }
 }
@@ -398,11 +407,45 @@ impl fmt::Display for RequestNotSent {
 
 impl std::error::Error for RequestNotSent {}
 
+/// Whether HTTP/2 proved that the server never processed the request (the rule gRPC uses for
+/// its transparent retries): somewhere in the source chain, an `h2` error the server caused
+/// that is a `RST_STREAM` with `REFUSED_STREAM` on the request's stream, or a `GOAWAY` whose
+/// last stream id is below it (h2 fails exactly those streams with the `GOAWAY`; a stream at
+/// or below it that the connection's end cuts fails with a broken pipe, which proves
+/// nothing). `RST_STREAM` with `INTERNAL_ERROR` or `CANCEL` after the request was sent proves
+/// nothing either. A request hyper canceled before it wrote a byte of it (queued on a
+/// connection that closed) is proof too, on HTTP/1.1 as on HTTP/2.
+///
+/// The HTTP/2 proofs need the `http2` feature (on by default).
+pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        // hyper cancels only requests it never started to write (queued on a connection
+        // that closed, or that was not ready), on HTTP/1.1 and HTTP/2 alike.
+        if e.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_canceled)
+        {
+            return true;
+        }
+        #[cfg(feature = "http2")]
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.is_remote()
+                && (h2.is_go_away()
+                    || (h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM)));
+        }
+        next = e.source();
+    }
+    false
+}
+
 /// The default test of [`Classify::request_not_sent`]: somewhere in the source chain, a
 /// [`RequestNotSent`], an I/O error `ConnectionRefused`, or a hyper-util legacy client error
 /// raised while connecting (before any byte of the request was written). Adapters need no
 /// special case: a reqwest connect error carries one of these in its source chain.
 pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
+    if never_processed(error) {
+        return true;
+    }
     let mut next = Some(error);
     while let Some(e) = next {
         if e.is::<RequestNotSent>() {

@@ -183,6 +183,10 @@ struct Ctx<S, C> {
     // The body was too large to hold: the request is sent once, as it streams, and never
     // retried, but still under the head timeout, the deadline and the fleet's admission.
     one_shot: bool,
+    // HTTP/2 proved this attempt was never processed, and it was re-sent for that once
+    // already; and whether the next send is such a re-send (same attempt, no sleep).
+    transparent_used: bool,
+    transparent_next: bool,
     trail: RetryTrail,
     started: Instant,
     deadline: Option<Instant>,
@@ -264,6 +268,8 @@ where
             previous: None,
             replay_safe,
             one_shot: false,
+            transparent_used: false,
+            transparent_next: false,
             trail: RetryTrail::default(),
             started,
             deadline,
@@ -941,7 +947,12 @@ where
         B: Body,
         B::Error: Into<BoxError>,
     {
+        if std::mem::take(&mut self.transparent_next) {
+            // The same attempt again, at once.
+            return State::Ready { watch: None };
+        }
         self.attempt += 1;
+        self.transparent_used = false;
         State::Sleeping {
             sleep: Box::pin(tokio::time::sleep(delay)),
             watch: self.watch(),
@@ -964,7 +975,7 @@ where
         verdict: &Verdict,
     ) -> Response<RetryBody<R>> {
         let mut res = Response::from_parts(head, body);
-        if matches!(verdict, Verdict::GiveUp(_)) || self.attempt > 0 {
+        if matches!(verdict, Verdict::GiveUp(_)) || self.sent > 1 {
             res.extensions_mut().insert(self.finished_trail());
         }
         res
@@ -974,6 +985,19 @@ where
     fn plan(&mut self, c: &Classification, not_sent: bool) -> Result<Duration, GiveUpReason> {
         if !c.is_retryable() {
             return Err(GiveUpReason::NotRetryable);
+        }
+        // HTTP/2 proved the server never processed this attempt: it is re-sent at once, once
+        // per attempt, also when it is not replay-safe, without counting as a retry or
+        // drawing on the budget (gRPC's transparent retry). Only while a copy is kept: a
+        // request allowed no retries is sent exactly once.
+        if c.class() == Some(FailureClass::NotProcessed)
+            && !self.transparent_used
+            && self.held.can_resend()
+            && !self.is_cancelled()
+        {
+            self.transparent_used = true;
+            self.transparent_next = true;
+            return Ok(Duration::ZERO);
         }
         if !self.replay_safe && !not_sent {
             return Err(GiveUpReason::NotReplaySafe);
@@ -1077,7 +1101,7 @@ where
     ) -> Verdict {
         self.pacing_feedback(c);
         if c.is_success() {
-            if self.attempt > 0 {
+            if self.sent > 1 {
                 if let Some(observer) = &self.config.observer {
                     observer.on_recovered(self.sent);
                 }
