@@ -19,6 +19,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     )
     .await?;
 
+    // rustls' provider for reqwest, built here with `rustls-no-provider` (see reqwest_client).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let client = ClientBuilder::new(
         reqwest::Client::builder()
             .retry(reqwest::retry::never())

@@ -20,10 +20,7 @@ use tower_llm_retry::{
 };
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .retry(reqwest::retry::never())
-        .build()
-        .unwrap()
+    reqwest_builder().build().unwrap()
 }
 
 fn layer(recorder: &Recorder) -> RetryLayer {

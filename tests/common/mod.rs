@@ -150,3 +150,12 @@ where
     }
     (out.freeze(), None)
 }
+
+/// A reqwest client builder with reqwest's own retries off. The tests build reqwest with
+/// `rustls-no-provider`, whose `build()` panics unless a process-wide rustls provider is
+/// installed, even for plain HTTP: this installs `ring`, the mock's provider, first.
+pub fn reqwest_builder() -> reqwest::ClientBuilder {
+    // Err only when some test installed it already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().retry(reqwest::retry::never())
+}
