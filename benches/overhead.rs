@@ -7,7 +7,8 @@
 //! fallback, context-overflow repair, credentials). The futures are polled by hand with a no-op waker, so no
 //! executor cost dilutes the comparison. A counting global allocator reports allocations and
 //! bytes allocated per request. Over loopback HTTP (a hyper server and hyper-util's client on
-//! 127.0.0.1): requests per second, bare client against the client behind the layer.
+//! 127.0.0.1): requests per second, bare client against the client behind the layer, over
+//! HTTP/1.1 (`loopback`) and over one HTTP/2 connection with prior knowledge (`loopback_h2`).
 //!
 //! Writes `target/bench/overhead.json`.
 
@@ -18,7 +19,8 @@ use std::future::{ready, Future, Ready};
 use std::hint::black_box;
 use std::path::Path;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -293,21 +295,70 @@ const LOOPBACK_TASKS: usize = 16;
 const LOOPBACK_REQUESTS: usize = 4_000;
 const LOOPBACK_ROUNDS: usize = 15;
 
-async fn serve(listener: tokio::net::TcpListener) {
+/// The protocol of a loopback case, on both sides of the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http1,
+    /// h2c with prior knowledge: every request of a client shares one connection.
+    Http2,
+}
+
+/// Serves `REPLY` over `protocol`, counting the connections accepted.
+async fn serve(listener: tokio::net::TcpListener, protocol: Protocol, accepted: Arc<AtomicUsize>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        accepted.fetch_add(1, Ordering::Relaxed);
+        if protocol == Protocol::Http2 {
+            // Every reply goes out as small frames on the one shared connection, and with Nagle
+            // on they can wait for the client's delayed ACK: without this, bare throughput
+            // varied up to fourfold between rounds and the ratios from 0.2 to 2.5.
+            let _ = stream.set_nodelay(true);
+        }
         tokio::spawn(async move {
             let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async {
                 let body = req.into_body().collect().await?.to_bytes();
                 black_box(body.len());
                 Ok::<_, hyper::Error>(Response::new(Full::new(Bytes::from_static(REPLY))))
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = match protocol {
+                Protocol::Http1 => {
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await
+                }
+                Protocol::Http2 => {
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(io, service)
+                        .await
+                }
+            };
         });
+    }
+}
+
+/// hyper-util's client as each loopback case uses it: its defaults over HTTP/1.1; over
+/// HTTP/2 only HTTP/2, and no Nagle delay on the one connection every request shares.
+fn client<B>(
+    protocol: Protocol,
+) -> hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, B>
+where
+    B: Body + Send,
+    B::Data: Send,
+{
+    use hyper_util::client::legacy::{connect::HttpConnector, Client};
+    use hyper_util::rt::TokioExecutor;
+    match protocol {
+        Protocol::Http1 => Client::builder(TokioExecutor::new()).build_http(),
+        Protocol::Http2 => {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build(connector)
+        }
     }
 }
 
@@ -344,11 +395,23 @@ where
     LOOPBACK_REQUESTS as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Requests per second bare and through the layer (medians over the rounds), and the median
-/// of the rounds' ratios (each round runs both, one after the other, so drift hits both).
-fn loopback() -> (f64, f64, f64) {
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
+/// One loopback case's figures.
+#[derive(Debug)]
+struct Loopback {
+    /// Requests per second bare, median over the rounds.
+    bare: f64,
+    /// Requests per second through the layer, median over the rounds.
+    ours: f64,
+    /// The median of the rounds' ratios (each round runs both, one after the other, so drift
+    /// hits both).
+    ratio: f64,
+    /// The lowest and highest ratio of a round.
+    range: (f64, f64),
+    /// Connections the server accepted over the case, warm-up included.
+    connections: usize,
+}
+
+fn loopback(protocol: Protocol) -> Loopback {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -362,11 +425,11 @@ fn loopback() -> (f64, f64, f64) {
             "http://{}/v1/messages",
             listener.local_addr().expect("addr")
         );
-        let server = tokio::spawn(serve(listener));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let server = tokio::spawn(serve(listener, protocol, accepted.clone()));
         let body = payload(KIB);
-        let bare = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let ours = RetryLayer::new()
-            .layer(Client::builder(TokioExecutor::new()).build_http::<ReplayBody>());
+        let bare = client::<Full<Bytes>>(protocol);
+        let ours = RetryLayer::new().layer(client::<ReplayBody>(protocol));
         // Warm the connection pools, then alternate so that drift hits both alike.
         rps(bare.clone(), &url, body.clone(), Full::new).await;
         rps(ours.clone(), &url, body.clone(), Full::new).await;
@@ -379,7 +442,18 @@ fn loopback() -> (f64, f64, f64) {
             ratios.push(our_rps / bare_rps);
         }
         server.abort();
-        (median(b), median(o), median(ratios))
+        let range = ratios
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &r| {
+                (lo.min(r), hi.max(r))
+            });
+        Loopback {
+            bare: median(b),
+            ours: median(o),
+            ratio: median(ratios),
+            range,
+            connections: accepted.load(Ordering::Relaxed),
+        }
     })
 }
 
@@ -495,17 +569,29 @@ fn main() {
         ));
     }
 
-    let (bare_rps, our_rps, ratio) = loopback();
-    rows.push(json!({
-        "case": "loopback",
-        "baseline": "bare",
-        "ratio": round(ratio, 3),
-        "better": "higher",
-    }));
-    print.push(format!(
-        "loopback: {bare_rps:.0} requests/s bare, {our_rps:.0} through the layer (medians of \
-         {LOOPBACK_ROUNDS} rounds); median ratio of the rounds {ratio:.3}"
-    ));
+    for (case, protocol) in [
+        ("loopback", Protocol::Http1),
+        ("loopback_h2", Protocol::Http2),
+    ] {
+        let Loopback {
+            bare,
+            ours,
+            ratio,
+            range: (lo, hi),
+            connections,
+        } = loopback(protocol);
+        rows.push(json!({
+            "case": case,
+            "baseline": "bare",
+            "ratio": round(ratio, 3),
+            "better": "higher",
+        }));
+        print.push(format!(
+            "{case}: {bare:.0} requests/s bare, {ours:.0} through the layer (medians of \
+             {LOOPBACK_ROUNDS} rounds); median ratio of the rounds {ratio:.3} (rounds \
+             {lo:.3}-{hi:.3}); {connections} connections accepted"
+        ));
+    }
 
     for line in print {
         println!("{line}");
