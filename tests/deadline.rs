@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use common::*;
 use http::{Request, StatusCode};
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceBuilder, ServiceExt};
@@ -20,19 +19,8 @@ use tower_llm_retry::fleet::{GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{Jitter, Random};
 use tower_llm_retry::{
-    ErrorKind, GiveUpReason, ReplayBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
-    RetryTrail, TimedOut, TimeoutKind,
+    ErrorKind, GiveUpReason, ReplayBody, RetryLayer, RetryPolicy, RetryTrail, TimedOut, TimeoutKind,
 };
-
-/// Wakes the test when a retry has been planned (the gate has seen the response by then).
-#[derive(Debug, Clone, Default)]
-struct RetryPlanned(Arc<Notify>);
-
-impl RetryObserver for RetryPlanned {
-    fn on_retry(&self, _: &RetryEvent<'_>) {
-        self.0.notify_one();
-    }
-}
 
 fn exact() -> RetryPolicy {
     RetryPolicy::default()
@@ -56,24 +44,13 @@ fn gated(gate: GateConfig, planned: &RetryPlanned) -> tower_llm_retry::Retry<Htt
         .service(http_client())
 }
 
-/// Sends a request that gets the server's first reply and waits until its retry is planned,
-/// so the gate has seen the answer.
+/// Closes the gate with the server's first reply; the handle is that request.
 async fn close_gate(
     server: &MockServer,
     svc: &tower_llm_retry::Retry<HttpClient>,
     planned: &RetryPlanned,
 ) -> tokio::task::JoinHandle<Result<StatusCode, ErrorKind>> {
-    let notified = planned.0.notified();
-    let svc = svc.clone();
-    let req = anthropic_request(&server.url("/v1/messages"), BODY);
-    let first = tokio::spawn(async move {
-        svc.oneshot(req)
-            .await
-            .map(|r| r.status())
-            .map_err(|e| e.kind())
-    });
-    notified.await;
-    first
+    close_with(server, svc, planned).await.0
 }
 
 fn assert_deadline_error(err: &tower_llm_retry::Error, deadline: Duration, attempts: u32) {

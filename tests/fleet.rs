@@ -10,7 +10,6 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use common::*;
 use http::StatusCode;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceBuilder, ServiceExt};
@@ -20,16 +19,6 @@ use tower_llm_retry::retry::{Jitter, Random};
 use tower_llm_retry::{
     ErrorKind, GiveUpReason, RetryEvent, RetryLayer, RetryObserver, RetryPolicy, RetryTrail,
 };
-
-/// Wakes the test when a retry has been planned (the gate has seen the response by then).
-#[derive(Debug, Clone, Default)]
-struct RetryPlanned(Arc<Notify>);
-
-impl RetryObserver for RetryPlanned {
-    fn on_retry(&self, _: &RetryEvent<'_>) {
-        self.0.notify_one();
-    }
-}
 
 /// Samples 0, 0.01, 0.02, … 0.99, 0, … so that each waiter's share of the spread is known.
 fn stepping_random() -> Random {
@@ -180,31 +169,6 @@ async fn budget_off_retries_every_time() {
         assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxRetries));
     }
     assert_eq!(server.request_count(), 200);
-}
-
-type Svc = tower_llm_retry::Retry<HttpClient>;
-
-/// Sends one request that gets the server's first reply, and returns once its retry is
-/// planned (so the gate has seen the response), with the instant the server received it.
-async fn close_with(
-    server: &MockServer,
-    svc: &Svc,
-    planned: &RetryPlanned,
-) -> (
-    tokio::task::JoinHandle<Result<StatusCode, ErrorKind>>,
-    Instant,
-) {
-    let notified = planned.0.notified();
-    let svc = svc.clone();
-    let req = anthropic_request(&server.url("/v1/messages"), BODY);
-    let first = tokio::spawn(async move {
-        svc.oneshot(req)
-            .await
-            .map(|r| r.status())
-            .map_err(|e| e.kind())
-    });
-    notified.await;
-    (first, server.requests()[0].received_at)
 }
 
 #[tokio::test(start_paused = true)]

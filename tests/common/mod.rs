@@ -159,3 +159,37 @@ pub fn reqwest_builder() -> reqwest::ClientBuilder {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder().retry(reqwest::retry::never())
 }
+
+/// Wakes the test when a retry has been planned (the gate has seen the response by then).
+#[derive(Debug, Clone, Default)]
+pub struct RetryPlanned(pub Arc<tokio::sync::Notify>);
+
+impl RetryObserver for RetryPlanned {
+    fn on_retry(&self, _: &RetryEvent<'_>) {
+        self.0.notify_one();
+    }
+}
+
+/// Sends one request that gets the server's first reply, and returns once its retry is
+/// planned (so the gate has seen the response), with the instant the server received it.
+pub async fn close_with(
+    server: &tower_llm_retry::mock::MockServer,
+    svc: &tower_llm_retry::Retry<HttpClient>,
+    planned: &RetryPlanned,
+) -> (
+    tokio::task::JoinHandle<Result<StatusCode, tower_llm_retry::ErrorKind>>,
+    tokio::time::Instant,
+) {
+    use tower::ServiceExt;
+    let notified = planned.0.notified();
+    let svc = svc.clone();
+    let req = anthropic_request(&server.url("/v1/messages"), BODY);
+    let first = tokio::spawn(async move {
+        svc.oneshot(req)
+            .await
+            .map(|r| r.status())
+            .map_err(|e| e.kind())
+    });
+    notified.await;
+    (first, server.requests()[0].received_at)
+}
