@@ -2,13 +2,11 @@
 //! the cooldown gate (Retry-After and rate-limit headers), its spread, ceiling and
 //! cancellation, and the adaptive pacing.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -3,12 +3,10 @@
 //! request ends, no sleep exceeds the documented ceilings, and nothing reaches the server after
 //! the request's deadline. Paused time, so a wait of "forever" costs nothing.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use proptest::prelude::*;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{GateConfig, PacingConfig};

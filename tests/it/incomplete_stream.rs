@@ -3,10 +3,8 @@
 //! `ErrorKind::IncompleteStream`; before it, the cut is retried like a reset. For Anthropic
 //! Messages, OpenAI Chat Completions and OpenAI Responses, over real HTTP on 127.0.0.1.
 
-mod common;
-
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script, SseEvent};

@@ -2,12 +2,10 @@
 //! formula and re-sent at once, byte for byte; overflows it cannot repair handed back with
 //! their numbers.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;

@@ -1,13 +1,11 @@
 //! The observer and tracing see every attempt exactly once, and never a credential.
 
-mod common;
-
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};

@@ -3,14 +3,12 @@
 //! attempt starts after it; a request that cannot start in time ends with
 //! `ErrorKind::DeadlineExceeded` and its trail. Real HTTP on 127.0.0.1, paused time.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::{Request, StatusCode};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

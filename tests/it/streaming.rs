@@ -1,11 +1,9 @@
 //! Streaming safety over real sockets: the SSE first-event gate, head and idle timeouts, the
 //! commit point, truncated envelopes and the output-limit marker.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use http_body::Body as _;
 use tokio::time::Instant;

@@ -5,17 +5,15 @@
 //! attempts, retries must stay within the budget, and no task may be left behind.
 //!
 //! `soak_ci` (1,000 requests) runs with the suite; `soak_full` (10,000) with
-//! `cargo test --test soak -- --ignored`.
-
-mod common;
+//! `cargo test --test it soak_full -- --ignored`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http_body_util::{BodyExt, Full};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -252,7 +250,7 @@ async fn soak_ci() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "the full-size soak: cargo test --test soak -- --ignored"]
+#[ignore = "the full-size soak: cargo test --test it soak_full -- --ignored"]
 async fn soak_full() {
     let (tally, elapsed) = soak(10_000, 11).await;
     report(10_000, &tally, elapsed);

@@ -3,8 +3,6 @@
 //! once, annotations are learned from `tools/list` (JSON and SSE), and the session id goes
 //! with every attempt.
 
-mod common;
-
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,8 +10,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode, Uri};
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;

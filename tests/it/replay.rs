@@ -1,15 +1,13 @@
 //! Every attempt sends the caller's bytes: hashed at the server, for `Full` and streamed
 //! bodies; oversize and failing bodies send nothing; unsafe requests are not replayed.
 
-mod common;
-
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{HeaderName, Request, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;

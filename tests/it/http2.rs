@@ -6,12 +6,10 @@
 
 #![cfg(feature = "mock")]
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::{anthropic_request, concat, drain, exact_policy, sha256, Recorder, Seen, BODY};
 use bytes::Bytes;
-use common::{anthropic_request, concat, drain, exact_policy, sha256, Recorder, Seen, BODY};
 use http::{StatusCode, Version};
 use http_body_util::Full;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
