@@ -1,23 +1,77 @@
 //! Deciding which outcomes of an attempt are failures, and which failures are worth a retry.
 //!
-//! [`DefaultClassifier`] implements the table below, in this order (the first row that matches
-//! decides). The Retry-After ceiling (a wait too long to honour) and the request's replay
-//! safety are judged by the policy and the retry loop, not here.
+//! [`DefaultClassifier`] judges each attempt by the table below, in this order: the first row
+//! that matches decides. It gives a verdict (success, retry, or no retry) and a
+//! [`FailureClass`]; what the retry loop then does with a retryable verdict (replay safety, the
+//! `Retry-After` ceiling, the retry count, the deadline, the budget) is decided after it, in the
+//! order listed in [`retry`](crate::retry#after-the-verdict).
 //!
-//! | condition | verdict |
-//! |---|---|
-//! | a layer inside gave its final word: [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) | no retry; the error reaches the caller as it is |
-//! | inner service error before a response head | retry, [`FailureClass::Transport`] |
-//! | 2xx | success |
-//! | an overload from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, [`FailureClass::Overloaded`] |
-//! | `x-should-retry: true` / `false` | obeyed, whatever the status |
-//! | 429 whose body says the quota or spend limit is exhausted | no retry, [`FailureClass::QuotaExhausted`] |
-//! | 408, 409, 429, 500–599 | retry; 529 or an `overloaded_error` body → [`FailureClass::Overloaded`] |
-//! | 401 | no retry, [`FailureClass::Unauthorized`] (an auth layer refreshes once) |
-//! | 400 or 413 context overflow | no retry, [`FailureClass::ContextOverflow`] |
-//! | any other status | no retry, returned as is |
+//! | # | outcome of the attempt | verdict | class |
+//! |---|---|---|---|
+//! | 1 | an error whose source chain holds a [`crate::Error`] of kind [`TokenRefresh`](crate::ErrorKind::TokenRefresh) or [`FallbackTriggered`](crate::ErrorKind::FallbackTriggered): a layer inside gave its final word | no retry; the error reaches the caller as it is | `Unauthorized`, `Overloaded` |
+//! | 2 | any other error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
+//! | 3 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
+//! | 4 | 2xx | success (`x-should-retry` is not read) | — |
+//! | 5 | an overload (row 8 or 9) from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, whatever `x-should-retry` says | `Overloaded` |
+//! | 6 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 7–12 give | as below |
+//! | 7 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
+//! | 8 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
+//! | 9 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
+//! | 10 | 401 | no retry ([`AuthLayer`](crate::AuthLayer) refreshes once) | `Unauthorized` |
+//! | 11 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`](crate::ContextOverflowLayer) repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 12 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
 //!
-//! To change a decision, wrap the default:
+//! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
+//! (64 KiB by default); the caller still receives the whole body. A body that is not JSON, or
+//! is cut at the peek limit, is searched for the quoted codes only (`"overloaded_error"`, the
+//! quota codes, `"context_length_exceeded"`), which no prose message contains by accident.
+//!
+//! In-band errors of a `2xx` `text/event-stream` response are judged by
+//! [`Classify::classify_sse_event`]; the default maps each to its HTTP twin (see
+//! [`stream`](crate::stream#in-band-errors)).
+//!
+//! # `Retry-After`
+//!
+//! Every non-2xx verdict carries the wait the server asked for, read by
+//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
+//! (fractional) seconds, then `retry-after` as an HTTP-date. NaN, infinite, negative,
+//! overflowing and unparseable values count as absent, and so does a date in the past; a
+//! header sent twice counts with its first value. A `Retry-After` applies only to the sleep
+//! right after the response that carried it; the policy clamps it and decides what a wait above
+//! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).
+//!
+//! # HTTP/2: proofs that a request was never processed
+//!
+//! The real APIs are HTTPS and negotiate HTTP/2 by ALPN. The layer is protocol-agnostic; what
+//! HTTP/2 adds is proof that a request was never processed (gRPC's transparent-retry rule),
+//! read from the `h2` error in the failure's source chain (feature `http2`, on by default):
+//!
+//! | signal | proves not processed? | what the retry loop does |
+//! |---|---|---|
+//! | `RST_STREAM` with `REFUSED_STREAM` | yes | re-sent at once (no backoff), once per attempt, even when [`NotReplaySafe`](crate::NotReplaySafe); not counted as a retry, no budget drawn; the trail records class `NotProcessed` |
+//! | `GOAWAY`, stream above its last stream id | yes (h2 fails exactly those streams with the `GOAWAY` error) | as above |
+//! | a request hyper canceled before writing a byte of it (queued on a connection that closed) | yes, on HTTP/1.1 too | as above |
+//! | `RST_STREAM` with `INTERNAL_ERROR` or `CANCEL`, a connection dropped mid-stream, a stream at or below the `GOAWAY` id that the connection's end cut | no | ordinary rules: retried as `Transport` unless `NotReplaySafe` |
+//!
+//! After its one transparent re-send, an attempt that is refused again follows the ordinary
+//! rules; a proof still counts as "not sent" ([`Classify::request_not_sent`], which also counts a
+//! refused connection, a hyper-util connect error and [`RequestNotSent`]), so even a
+//! `NotReplaySafe` request is retried, with backoff. A request allowed no retries
+//! ([`NoRetry`](crate::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps no copy
+//! and is sent exactly once.
+//!
+//! hyper-util's legacy client also re-sends by itself, when `retry_canceled_requests` is on (its
+//! default), a request that hyper canceled before writing it on a reused connection. That
+//! happens below the loop, so the trail counts one attempt for it; it never re-sends anything
+//! that may have reached the server (hyper only cancels requests it never started to write), so
+//! it is safe with `NotReplaySafe`. `tests/http2.rs` runs the key cases (429 with `Retry-After`,
+//! 529, a reset before the head, an in-band SSE error, `REFUSED_STREAM`, `GOAWAY`,
+//! `INTERNAL_ERROR` after the head) over h1+TLS, h2+TLS and h2c against the mock, hashing the
+//! body on every attempt.
+//!
+//! # Changing a decision
+//!
+//! Wrap the default:
 //!
 //! ```
 //! use tower_llm_retry::classify::{Classify, Classification, DefaultClassifier, FailureClass};
