@@ -17,24 +17,72 @@
 //!                                                  from the first one on; no re-send after it
 //! ```
 //!
-//! - Before the commit point, an in-band error event maps to its HTTP twin
-//!   (`overloaded_error` → 529, `rate_limit_error` → 429, `api_error` → 500) and goes through
-//!   the ordinary retry path; a stall longer than the idle timeout, or a dropped connection,
-//!   is retried as a transport failure.
+//! - Before the commit point, an in-band error event maps to its HTTP twin (table below) and
+//!   goes through the ordinary retry path; a stall longer than the idle timeout, a dropped
+//!   connection, or a clean end before any output and before the protocol's terminal event is
+//!   retried as a transport failure.
 //! - After it, nothing is re-sent: a later error event reaches the caller in the stream as it
-//!   was sent, a dropped connection as an [`ErrorKind::ResponseBody`](crate::ErrorKind) error,
-//!   and a stall as [`ErrorKind::IdleTimeout`](crate::ErrorKind).
-//! - The peek is bounded (64 KiB by default): a longer preamble without output ends it and the
-//!   stream is handed up committed, with no byte lost.
+//!   was sent, a dropped connection as an [`ErrorKind::ResponseBody`](crate::ErrorKind::ResponseBody)
+//!   error, a stall as [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout), and a clean
+//!   end before the terminal event as [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream).
+//! - The peek is bounded by the peek limit (64 KiB by default,
+//!   [`RetryLayer::peek_limit`](crate::RetryLayer::peek_limit)): a longer preamble without
+//!   output ends it and the stream is handed up committed ([`CommitReason::PeekLimit`]), with no
+//!   byte lost.
 //! - The caller receives the exact bytes the server sent, in the same frames.
 //!
-//! A response handed up by the gate carries a [`StreamCommitted`] extension saying why.
+//! A response handed up by the gate carries a [`StreamCommitted`] extension saying why
+//! ([`CommitReason`]). [`RetryLayer::sse_gate(false)`](crate::RetryLayer::sse_gate) turns the
+//! gate off. `cargo run --example streaming` shows a pre-output overload retried.
 //!
-//! Visible output is, by default: Anthropic `content_block_start` / `content_block_delta`;
-//! an OpenAI chat chunk whose `choices[].delta` has content, a refusal or tool calls; OpenAI
-//! Responses `response.output_text.delta`, `response.output_item.added` and the other
-//! `response.*.delta` events. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event)
-//! can say otherwise.
+//! # Protocols
+//!
+//! What [`default_sse_verdict`] counts as visible output, and what the end check
+//! ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default) waits
+//! for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
+//! output. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event) can decide
+//! otherwise.
+//!
+//! | protocol ([`StreamProtocol`]) | visible output: the commit point | terminal event |
+//! |---|---|---|
+//! | Anthropic Messages | `content_block_start`, `content_block_delta` | `message_stop`, or `error` |
+//! | OpenAI Chat Completions | a chunk whose `choices[].delta` has content, a refusal, tool calls or a function call | a chunk with a `finish_reason`, `[DONE]`, or an error chunk (servers that never send `[DONE]` are fine) |
+//! | OpenAI Responses | `response.output_item.added`, `response.content_part.added`, any `response.*.delta` | `response.completed`, `response.failed`, `response.incomplete`, or `error` |
+//!
+//! A stream that ends cleanly without its protocol's terminal event was cut by some hop (a
+//! gateway, a load balancer's idle cut); the official SDKs would hand the partial text back as
+//! a success. After the commit point that is an [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream)
+//! body error, whose [`IncompleteStream`] source says how many bytes were delivered (all of
+//! them) and the last event; before it the cut is retried like a reset. Streams of other
+//! protocols pass through. The scan is incremental and copies nothing.
+//!
+//! # In-band errors
+//!
+//! An error event before the commit point (`event: error`, `response.failed`, or a data
+//! payload with an `error` member or `"type": "error"`) is judged like its HTTP twin, by the
+//! error type or code it names:
+//!
+//! | names | twin | verdict |
+//! |---|---|---|
+//! | `overloaded_error`, `server_is_overloaded` | 529 | retry, class `Overloaded` (it counts toward consecutive overloads) |
+//! | `rate_limit_error`, `rate_limit_exceeded` | 429 | retry, class `RateLimited` |
+//! | `api_error`, `server_error`, `internal_error` | 500 | retry, class `Server` |
+//! | `invalid_request_error` | 400 | no retry, class `Client` |
+//! | anything else | — | no retry, class `Other` |
+//!
+//! An error that is not retried, or that comes when no retry is left, is handed up as it came,
+//! committed with [`CommitReason::Error`].
+//!
+//! # Non-streaming bodies
+//!
+//! Opt-in, [`RetryLayer::buffer_responses(Some(cap))`](crate::RetryLayer::buffer_responses)
+//! reads non-streaming 2xx bodies whole inside the loop, so a reset mid-body or a short body
+//! (content-length mismatch) is retried as
+//! [`FailureClass::TruncatedEnvelope`] instead of
+//! failing in the caller's hands. Such JSON that stopped at the output limit
+//! (`stop_reason: "max_tokens"`, `finish_reason: "length"`) gets an [`OutputTruncated`]
+//! extension and is never re-sent; [`ContinuationLayer`](crate::ContinuationLayer) continues it
+//! append-only.
 
 mod sse;
 mod terminal;
