@@ -27,6 +27,28 @@
 //! The state lives in an `Arc` created when the layer is built: the services a layer makes,
 //! and their clones, share it; two layers built separately do not.
 //!
+//! # Configuration
+//!
+//! | setting | default | change with |
+//! |---|---|---|
+//! | retry budget | on: deposits count for 10 s, 10 retries a second whatever the traffic, plus 20 % of first attempts; in any 10 s, at most `10 × 10 + 0.2 × first attempts` retries ([`BudgetConfig::max_retries`]) | [`RetryLayer::budget`](crate::RetryLayer::budget) with [`BudgetConfig::new(ttl, min_per_sec, ratio)`](BudgetConfig::new), or `None` to turn it off |
+//! | cooldown gate | off | [`RetryLayer::cooldown_gate`](crate::RetryLayer::cooldown_gate) with [`GateConfig::new`] |
+//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (default zero: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
+//! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`](crate::retry::Random) | [`GateConfig::spread`] |
+//! | adaptive pacing | off | [`RetryLayer::pacing`](crate::RetryLayer::pacing) with [`PacingConfig::new`] |
+//! | pacing: rate | starts at 50 requests/s, kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
+//! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
+//! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
+//! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
+//! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
+//! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
+//!
+//! The headers read are listed in [`ratelimit`]. A retry the budget refuses is not made: the
+//! last response comes back as it is, its [`RetryTrail`](crate::RetryTrail) saying
+//! [`GiveUpReason::Budget`](crate::GiveUpReason::Budget); a transport error becomes
+//! [`ErrorKind::BudgetExhausted`](crate::ErrorKind::BudgetExhausted). What these settings do
+//! to a fleet of 1,000 clients is measured by the storm bench (`cargo bench --bench storm`).
+//!
 //! # Example
 //!
 //! ```
