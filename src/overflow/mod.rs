@@ -64,6 +64,16 @@
 //! # let _ = layer;
 //! ```
 //!
+//! # Configuration
+//!
+//! | setting | default | change with |
+//! |---|---|---|
+//! | `floor`: the least `max_tokens` a repair sends | 3,000 tokens | [`floor`](ContextOverflowLayer::floor) |
+//! | `margin`: tokens kept free below the limit | 1,000 tokens | [`margin`](ContextOverflowLayer::margin) |
+//! | model tried once when the prompt alone is too long | none | [`context_window_fallback`](ContextOverflowLayer::context_window_fallback) |
+//! | body buffer, on its own | 32 MiB | [`body_limit`](ContextOverflowLayer::body_limit) |
+//! | `400` / `413` body read to recognise an overflow | 64 KiB | [`peek_limit`](ContextOverflowLayer::peek_limit) |
+//!
 //! # Where it goes
 //!
 //! Inside [`RetryLayer`](crate::RetryLayer), which does not retry these `400`s itself: the
