@@ -64,7 +64,7 @@
 //! default), a request that hyper canceled before writing it on a reused connection. That
 //! happens below the loop, so the trail counts one attempt for it; it never re-sends anything
 //! that may have reached the server (hyper only cancels requests it never started to write), so
-//! it is safe with `NotReplaySafe`. `tests/http2.rs` runs the key cases (429 with `Retry-After`,
+//! it is safe with `NotReplaySafe`. `tests/it/http2.rs` runs the key cases (429 with `Retry-After`,
 //! 529, a reset before the head, an in-band SSE error, `REFUSED_STREAM`, `GOAWAY`,
 //! `INTERNAL_ERROR` after the head) over h1+TLS, h2+TLS and h2c against the mock, hashing the
 //! body on every attempt.
