@@ -171,6 +171,7 @@ pub mod fleet;
 pub mod json_edit;
 pub mod mcp;
 pub mod overflow;
+mod pipeline;
 pub mod retry;
 pub mod stream;
 mod time;

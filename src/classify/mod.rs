@@ -380,15 +380,6 @@ impl Classify for DefaultClassifier {
             Some(class) => class,
             None => FailureClass::Other,
         };
-        if class == FailureClass::Overloaded
-            && head
-                .extensions
-                .get::<crate::fallback::ModelUsed>()
-                .is_some_and(|m| m.chain_exhausted)
-        {
-            // Every model of the chain has had its turn; the response goes back as it is.
-            return Classification::fail(class).with_retry_after(retry_after);
-        }
         let verdict = match headers::parse_should_retry(&head.headers) {
             Some(true) => Classification::retry(class),
             Some(false) => Classification::fail(class),
@@ -405,21 +396,6 @@ impl Classify for DefaultClassifier {
     }
 
     fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
-        let mut next = Some(error);
-        while let Some(e) = next {
-            if let Some(e) = e.downcast_ref::<crate::Error>() {
-                match e.kind() {
-                    crate::ErrorKind::TokenRefresh => {
-                        return Classification::fail(FailureClass::Unauthorized)
-                    }
-                    crate::ErrorKind::FallbackTriggered => {
-                        return Classification::fail(FailureClass::Overloaded)
-                    }
-                    _ => {}
-                }
-            }
-            next = e.source();
-        }
         if never_processed(error) {
             return Classification::retry(FailureClass::NotProcessed);
         }
@@ -430,10 +406,15 @@ impl Classify for DefaultClassifier {
 /// Whether a response is an overload, as [`DefaultClassifier`] judges it: a 529, or a 4xx or
 /// 5xx whose body says `overloaded_error`.
 pub(crate) fn is_overloaded(status: StatusCode, body: Option<&[u8]>) -> bool {
+    overloaded_by(status, body.map(body_signal))
+}
+
+/// [`is_overloaded`], from the signal of a body already read.
+pub(crate) fn overloaded_by(status: StatusCode, signal: Option<BodySignal>) -> bool {
     match FailureClass::from_status(status) {
         Some(FailureClass::Overloaded) => true,
         Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited) => {
-            body.is_some_and(|b| body_signal(b) == BodySignal::Overloaded)
+            signal == Some(BodySignal::Overloaded)
         }
         _ => false,
     }

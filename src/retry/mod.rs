@@ -201,6 +201,8 @@ pub struct AttemptContext {
     pub consecutive_overloads: u32,
     /// The most retries the policy allows this request.
     pub max_retries: u32,
+    /// The loop carries state for the companion layers in a `Carried` extension too.
+    pub(crate) carries: bool,
 }
 
 /// Request extension: send this request once, never retry it.

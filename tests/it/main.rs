@@ -22,6 +22,7 @@ mod mcp;
 mod mock_server;
 mod mock_tls_h2;
 mod overflow;
+mod pipeline;
 mod properties;
 mod replay;
 mod reqwest;
