@@ -82,7 +82,8 @@
 //!
 //! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
 //! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
-//! while the server has said "come back at T" and releases them spread out. See [`fleet`].
+//! while the server has said "come back at T" and releases them spread out. Several layers
+//! share them when given one [`Fleet`]. See [`fleet`].
 //!
 //! # Defaults
 //!
@@ -97,9 +98,9 @@
 //! | `max_tokens` repair | `max(3,000, limit − input − 1,000)`, at least `thinking.budget_tokens + 1`; once, at once |
 //! | token refresh | ahead of expiry: advisory 120 s, mandatory 30 s; after a failure, 1 s doubling to 30 s |
 //! | rate-limited pool key | rests for the `Retry-After`, or 5 s without one |
-//! | retry budget, shared by the layer's services | on: 10 retries/s plus 20 % of first attempts, over 10 s |
-//! | cooldown gate, shared by the layer's services | off ([`RetryLayer::cooldown_gate`]) |
-//! | adaptive pacing, shared by the layer's services | off ([`RetryLayer::pacing`]) |
+//! | retry budget, shared by the layer's [`Fleet`] | on: 10 retries/s plus 20 % of first attempts, over 10 s |
+//! | cooldown gate, shared by the layer's [`Fleet`] | off ([`FleetBuilder::cooldown_gate`]) |
+//! | adaptive pacing, shared by the layer's [`Fleet`] | off ([`FleetBuilder::pacing`]) |
 //!
 //! # Features
 //!
@@ -161,7 +162,7 @@ pub use crate::error::{
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
-pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
+pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
 pub use crate::mcp::{McpGate, McpGateLayer};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
