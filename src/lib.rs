@@ -89,7 +89,8 @@
 //! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
 //! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
 //! while the server has said "come back at T" and an adaptive pacing that spreads attempts at
-//! the rate the server admits. See [`fleet`].
+//! the rate the server admits. Several layers share them when given one [`Fleet`]. See
+//! [`fleet`].
 //!
 //! # Defaults
 //!
@@ -198,7 +199,7 @@ pub use crate::error::{
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
-pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
+pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
 pub use crate::mcp::{McpGate, McpGateLayer};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,

@@ -1,4 +1,4 @@
-//! Adaptive pacing: the rate at which the attempts of one layer are sent, learned from the
+//! Adaptive pacing: the rate at which the attempts of one fleet are sent, learned from the
 //! server's answers (additive increase, multiplicative decrease, on a rate), its quotas and
 //! its stated limits.
 
@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use crate::retry::ConfigError;
 
-/// Settings of the adaptive pacing shared by every service of one
-/// [`RetryLayer`](crate::RetryLayer).
+/// Settings of the adaptive pacing of a [`Fleet`](crate::fleet::Fleet), shared by every
+/// request sent through it.
 ///
 /// Attempts leave one after another, `1 / rate` apart, in arrival order. Only the head of the
 /// line waits on the clock; the others are woken when the one ahead of them goes, so a change

@@ -100,9 +100,9 @@
 //! | classifier | [`DefaultClassifier`](crate::DefaultClassifier) | [`RetryLayer::classifier`] |
 //! | shutdown token | none | [`RetryLayer::cancellation`] |
 //! | observer | none | [`RetryLayer::observer`] |
-//! | retry budget, shared by every service of one layer | on | [`RetryLayer::budget`]; settings in [`fleet`](crate::fleet#configuration) |
-//! | cooldown gate, shared likewise | off | [`RetryLayer::cooldown_gate`]; settings in [`fleet`](crate::fleet#configuration) |
-//! | adaptive pacing, shared likewise | off | [`RetryLayer::pacing`]; settings in [`fleet`](crate::fleet#configuration) |
+//! | retry budget, shared by every layer given one fleet | on | [`RetryLayer::fleet`] with [`FleetBuilder::budget`](crate::fleet::FleetBuilder::budget); settings in [`fleet`](crate::fleet#configuration) |
+//! | cooldown gate, shared likewise | off | [`FleetBuilder::cooldown_gate`](crate::fleet::FleetBuilder::cooldown_gate); settings in [`fleet`](crate::fleet#configuration) |
+//! | adaptive pacing, shared likewise | off | [`FleetBuilder::pacing`](crate::fleet::FleetBuilder::pacing); settings in [`fleet`](crate::fleet#configuration) |
 //!
 //! The presets ([`RetryPolicy::sdk_compatible`], [`patient`](RetryPolicy::patient),
 //! [`interactive`](RetryPolicy::interactive), [`never`](RetryPolicy::never)) and what each does

@@ -15,7 +15,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthLayer, AuthOutcome, RefreshingToken, Token};
 use tower_llm_retry::classify::{Classification, Classify};
 use tower_llm_retry::fallback::FallbackMode;
-use tower_llm_retry::fleet::GateConfig;
+use tower_llm_retry::fleet::{Fleet, GateConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::{
     ContextOverflowLayer, ErrorKind, FailureClass, GiveUpReason, ModelFallbackLayer, ModelUsed,
@@ -231,9 +231,12 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     )
     .await
     .unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new()))
+        .build();
     let fleet_layer = RetryLayer::new()
         .policy(exact_policy())
-        .cooldown_gate(Some(GateConfig::new()));
+        .fleet(fleet.clone());
     let svc = ServiceBuilder::new()
         .layer(fleet_layer)
         .layer(AuthLayer::new(ApiKeyPool::new(["sk-a", "sk-b"]).unwrap()))
@@ -251,4 +254,5 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(started.elapsed(), Duration::ZERO);
     assert_eq!(server.request_count(), 3);
+    assert_eq!(fleet.gate_closed_until(), None);
 }

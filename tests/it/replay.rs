@@ -239,11 +239,15 @@ async fn a_body_too_large_to_hold_waits_at_the_gate_and_within_the_deadline() {
             RetryLayer::new()
                 .body_limit(64 * 1024)
                 .policy(RetryPolicy::default().jitter(Jitter::none()).max_retries(0))
-                .cooldown_gate(Some(
-                    tower_llm_retry::fleet::GateConfig::new()
-                        .spread(0.0, Duration::ZERO)
-                        .unwrap(),
-                )),
+                .fleet(
+                    tower_llm_retry::Fleet::builder()
+                        .cooldown_gate(Some(
+                            tower_llm_retry::fleet::GateConfig::new()
+                                .spread(0.0, Duration::ZERO)
+                                .unwrap(),
+                        ))
+                        .build(),
+                ),
         )
         .service(http_client());
     // A 429 closes the gate for 10 s.

@@ -19,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::BudgetConfig;
+use tower_llm_retry::fleet::{BudgetConfig, Fleet};
 use tower_llm_retry::json_edit::{read_value, replace_value};
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
 use tower_llm_retry::retry::Random;
@@ -95,7 +95,7 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                         .head_timeout(Some(Duration::from_secs(30)))
                         .idle_timeout(Some(Duration::from_secs(30))),
                 )
-                .budget(Some(budget)),
+                .fleet(Fleet::builder().budget(Some(budget)).build()),
         )
         .layer(ModelFallbackLayer::new([FALLBACK]).unwrap())
         .layer(ContextOverflowLayer::new())
