@@ -387,7 +387,8 @@ impl Service<Request<ReplayBody>> for SimService {
         let attempt = req
             .extensions()
             .get::<AttemptContext>()
-            .map(|c| c.attempt)
+            // Counted from 1; the simulation counts retries from 0.
+            .map(|c| c.attempt - 1)
             .or_else(|| req.extensions().get::<TowerAttempt>().map(|a| a.0))
             .unwrap_or(0);
         let reply = self.0.decide(attempt);

@@ -102,6 +102,22 @@
 //! - the companion layers: [`fallback`](fallback#configuration), [`overflow`](overflow#configuration),
 //!   [`auth`](auth#credential-sources), [`continuation`], [`mcp`].
 //!
+//! # Conventions
+//!
+//! - **Attempts** are numbered from 1; what counts retries says so and counts from 0
+//!   ([attempt numbers](retry#attempt-numbers)).
+//! - **Configuration** types are built by chained setters named after the setting
+//!   (`max_retries(n)`); the getter of a setting is `get_` and its name (`get_max_retries()`),
+//!   for every setting. A setter returns `Result<Self, ConfigError>` exactly when its value
+//!   can be wrong on its own (a multiplier below 1, a jitter fraction above 1, an empty
+//!   fallback chain), and fails at that call, naming the setting. Two settings that bound each
+//!   other never fail: the bound wins (an `initial_backoff` above `max_backoff` backs off by
+//!   `max_backoff`).
+//! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
+//!   `x::ResponseFuture`.
+//! - Every public type is re-exported at the crate root, except the modules' futures and the
+//!   [`mock`](crate::mock) server.
+//!
 //! # Results and errors
 //!
 //! - A request that ends with an HTTP response returns it (also when retries ran out, as
@@ -145,6 +161,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `http2` | yes | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]), read from `h2`, already in any HTTP/2 client's tree |
+//! | `hyper-util` | yes | hyper-util's legacy client errors raised while connecting count as "never sent" ([`classify::request_not_sent`]), so even a `NotReplaySafe` request is retried after them; already in the tree of hyper-util and reqwest users |
 //! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
 //! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
 //! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
@@ -188,11 +205,13 @@ pub mod reqwest;
 pub mod reqwest_middleware;
 
 pub use crate::auth::{
-    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, CredentialHeader, RefreshingToken, Token,
-    TokenSource,
+    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, Credential, CredentialFuture,
+    CredentialHeader, InvalidCredential, RefreshingToken, Token, TokenSource,
 };
 pub use crate::body::ReplayBody;
-pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
+pub use crate::classify::{
+    Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
+};
 pub use crate::continuation::{Continuation, ContinuationLayer, Continued, TruncatedToolCall};
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
@@ -200,12 +219,21 @@ pub use crate::error::{
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
 pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
-pub use crate::mcp::{McpGate, McpGateLayer};
+pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
 pub use crate::overflow::{
-    ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
+    ContextOverflow, ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired,
 };
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub use crate::reqwest::ReqwestService;
+#[cfg(feature = "reqwest-middleware")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
+pub use crate::reqwest_middleware::RetryMiddleware;
 pub use crate::retry::{
-    AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
-    RetryObserver, RetryPolicy,
+    AboveCeiling, AttemptContext, ConfigError, Jitter, NoRetry, NotReplaySafe, Random, Retry,
+    RetryBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
 };
-pub use crate::stream::{CommitReason, OutputTruncated, StreamCommitted};
+pub use crate::stream::{
+    CommitReason, IncompleteStream, OutputTruncated, SseEvent, SseVerdict, StreamCommitted,
+    StreamProtocol,
+};

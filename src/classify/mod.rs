@@ -474,8 +474,9 @@ pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// The default test of [`Classify::request_not_sent`]: somewhere in the source chain, a
-/// [`RequestNotSent`], an I/O error `ConnectionRefused`, or a hyper-util legacy client error
-/// raised while connecting (before any byte of the request was written). Adapters need no
+/// [`RequestNotSent`], an I/O error `ConnectionRefused`, or (feature `hyper-util`, on by
+/// default) a hyper-util legacy client error raised while connecting (before any byte of the
+/// request was written). Adapters need no
 /// special case: a reqwest connect error carries one of these in its source chain.
 pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
     if never_processed(error) {
@@ -486,6 +487,7 @@ pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
         if e.is::<RequestNotSent>() {
             return true;
         }
+        #[cfg(feature = "hyper-util")]
         if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
             if client.is_connect() {
                 return true;

@@ -284,7 +284,7 @@ impl GateWait {
         let now = Instant::now();
         // A ceiling set to "forever" must not switch the gate off by overflowing.
         let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
-        let random = policy.random_source().clone();
+        let random = policy.get_random().clone();
         let Some(until) = gate.wait_for(now, cap, deadline, &random)? else {
             return Ok(None);
         };

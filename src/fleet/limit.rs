@@ -167,7 +167,7 @@ impl PacingConfig {
     /// The period a stated request limit counts over, or `None` to ignore stated limits.
     ///
     /// A response that states its request limit (`anthropic-ratelimit-requests-limit`,
-    /// `x-ratelimit-limit-requests`; see [`ratelimit`](crate::fleet::ratelimit)) caps the
+    /// `x-ratelimit-limit-requests`; see [the headers](crate::fleet#rate-limit-headers)) caps the
     /// rate at `limit / period`: the fleet then sends what the server allows spread evenly,
     /// from the first answer, instead of finding it by being refused. Both providers state
     /// requests per minute. Defaults to 60 s.

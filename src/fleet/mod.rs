@@ -11,7 +11,7 @@
 //!   retries add at most 20 % to the load, plus 10 a second. The accounting is
 //!   [`tower::retry::budget::TpsBudget`].
 //! - **Cooldown gate** ([`GateConfig`], off by default): a `429` or `529` with `Retry-After`,
-//!   or rate-limit headers saying no request is left ([`ratelimit`]), close the gate until
+//!   or rate-limit headers saying no request is left ([below](#rate-limit-headers)), close the gate until
 //!   then; attempts about to be sent wait at the gate instead of hammering, and leave spread
 //!   over a window once it reopens. An open gate costs a request one atomic load.
 //! - **Adaptive pacing** ([`PacingConfig`], off by default): attempts leave evenly spaced, in
@@ -50,7 +50,7 @@
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
-//! The headers read are listed in [`ratelimit`]. A retry the budget refuses is not made: the
+//! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
 //! last response comes back as it is, its [`RetryTrail`](crate::RetryTrail) saying
 //! [`GiveUpReason::Budget`](crate::GiveUpReason::Budget); a transport error becomes
 //! [`ErrorKind::BudgetExhausted`](crate::ErrorKind::BudgetExhausted). What these settings do
@@ -93,11 +93,21 @@
 //!   a refusal that is visible in the [`RetryTrail`](crate::RetryTrail)
 //!   ([`GiveUpReason::Budget`](crate::GiveUpReason::Budget)).
 //! - The gate has no counterpart in `tower::retry`, which knows no HTTP.
+//!
+//! # Rate-limit headers
+//!
+//! | provider | limit | remaining | reset |
+//! |---|---|---|---|
+//! | Anthropic | `anthropic-ratelimit-requests-limit` | `anthropic-ratelimit-requests-remaining` | `anthropic-ratelimit-requests-reset`: an RFC 3339 instant, `2026-01-01T00:00:10Z` |
+//! | OpenAI | `x-ratelimit-limit-requests` | `x-ratelimit-remaining-requests` | `x-ratelimit-reset-requests`: a duration, `1s`, `6m0s`, `547ms`, `2m52.8s` |
+//!
+//! A value longer than 64 bytes, malformed, negative, overflowing, or a reset more than a day
+//! away counts as absent.
 
 mod budget;
 mod gate;
 mod limit;
-pub mod ratelimit;
+mod ratelimit;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use tower_service::Service;
 
 use super::layer::Config;
-use super::{ContextOverflow, OverflowRepaired};
+use super::{ContextWindowExceeded, OverflowRepaired};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{context_overflow, ErrorBody, Overflow};
 use crate::error::BoxError;
@@ -23,7 +23,7 @@ use crate::retry::{HttpResponse, RetryBody};
 use crate::retry::ResBodyOf;
 
 pin_project! {
-    /// The response future of [`ContextOverflowService`](super::ContextOverflowService).
+    /// The response future of [`ContextOverflow`](super::ContextOverflow).
     pub struct ResponseFuture<S, B>
     where
         S: Service<Request<ReplayBody>>,
@@ -283,7 +283,7 @@ where
                         }
                     }
                     this.state.set(State::Done);
-                    let overflow = overflow.map(ContextOverflow::from);
+                    let overflow = overflow.map(ContextWindowExceeded::from);
                     return Poll::Ready(Ok(ctx.finish(
                         head,
                         RetryBody::peeked(peeked, IdleTimer::new(None)),
@@ -390,7 +390,7 @@ impl Judge for OverflowJudge {
                 return Judged::Resend;
             }
         }
-        let overflow = ContextOverflow::from(overflow);
+        let overflow = ContextWindowExceeded::from(overflow);
         tracing::debug!(
             input_tokens = overflow.input_tokens,
             context_limit = overflow.limit,
@@ -421,7 +421,7 @@ impl<S> Ctx<S> {
         &mut self,
         head: http::response::Parts,
         body: RetryBody<R>,
-        overflow: Option<ContextOverflow>,
+        overflow: Option<ContextWindowExceeded>,
     ) -> Response<RetryBody<R>> {
         let mut res = Response::from_parts(head, body);
         if let Some(repaired) = self.repaired.take() {

@@ -29,7 +29,7 @@ use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseVerdict, StreamCommitted, StreamScan,
 };
 
-pub use self::sealed::HttpResponse;
+pub(crate) use self::sealed::HttpResponse;
 
 mod sealed {
     /// Splits an `http::Response` so the retry loop can name its body type.
@@ -179,7 +179,8 @@ struct Ctx<S, C> {
     config: Arc<Config<C>>,
     policy_override: Option<Box<RetryPolicy>>,
     held: Held,
-    attempt: u32,
+    // Retries so far: the attempt in flight is number `retries + 1`.
+    retries: u32,
     sent: u32,
     consecutive_overloads: u32,
     previous: Option<FailureClass>,
@@ -256,7 +257,7 @@ where
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
-            .field("attempt", &self.ctx.attempt)
+            .field("attempt", &(self.ctx.retries + 1))
             .finish()
     }
 }
@@ -291,7 +292,7 @@ where
             config,
             policy_override: policy_override.map(Box::new),
             held: Held::new(parts),
-            attempt: 0,
+            retries: 0,
             sent: 0,
             consecutive_overloads: 0,
             previous: None,
@@ -736,7 +737,7 @@ where
                             this.state.set(State::Done);
                             ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
                             let trail = ctx.finished_trail();
-                            if ctx.attempt > 0 {
+                            if ctx.retries > 0 {
                                 if let Some(observer) = &ctx.config.observer {
                                     observer.on_give_up(&trail);
                                 }
@@ -984,19 +985,19 @@ where
         if !std::mem::take(&mut self.resend_next) {
             self.sent += 1;
             // Fleet: first attempts pay into the shared retry budget.
-            if self.attempt == 0 {
+            if self.retries == 0 {
                 self.config.fleet.deposit();
             }
             self.gate_passed = false;
         }
-        let last = self.one_shot || self.attempt >= self.policy().get_max_retries();
+        let last = self.one_shot || self.retries >= self.policy().get_max_retries();
         self.kept = !last;
         // The first attempt sends the caller's own request. A copy is kept while a retry can
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(!self.one_shot).into_parts();
         let carries = self.carried != Carried::default();
         parts.extensions.insert(AttemptContext {
-            attempt: self.attempt,
+            attempt: self.retries + 1,
             previous: self.previous,
             consecutive_overloads: self.consecutive_overloads,
             max_retries: self.policy().get_max_retries(),
@@ -1005,10 +1006,10 @@ where
         if carries {
             parts.extensions.insert(self.carried.clone());
         }
-        if let Some(name) = &self.config.attempt_header {
+        if let Some(name) = &self.config.retry_count_header {
             parts
                 .headers
-                .insert(name.clone(), HeaderValue::from(self.attempt));
+                .insert(name.clone(), HeaderValue::from(self.retries));
         }
         let span = tracing::debug_span!(
             "llm_retry.attempt",
@@ -1021,8 +1022,8 @@ where
             "gen_ai.request.model" = tracing::field::Empty,
         );
         if !span.is_disabled() {
-            if self.attempt > 0 {
-                span.record("http.request.resend_count", self.attempt);
+            if self.retries > 0 {
+                span.record("http.request.resend_count", self.retries);
             }
             let model = self
                 .model
@@ -1052,7 +1053,7 @@ where
             // The same attempt again, at once.
             return State::Ready { watch: None };
         }
-        self.attempt += 1;
+        self.retries += 1;
         self.transparent_used = false;
         self.resends = 0;
         self.carried.next_attempt();
@@ -1107,7 +1108,7 @@ where
             return Err(GiveUpReason::NotReplaySafe);
         }
         let policy = self.policy();
-        if self.attempt >= policy.get_max_retries() {
+        if self.retries >= policy.get_max_retries() {
             return Err(GiveUpReason::MaxRetries);
         }
         if let Some(limit) = policy.get_max_consecutive_overloads() {
@@ -1118,7 +1119,7 @@ where
         if self.is_cancelled() {
             return Err(GiveUpReason::Cancelled);
         }
-        let delay = match policy.delay(self.attempt + 1, c.retry_after()) {
+        let delay = match policy.delay(self.retries + 1, c.retry_after()) {
             Ok(d) => d,
             Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
         };
@@ -1223,7 +1224,7 @@ where
                 self.carried = carried;
                 self.resend_next = true;
                 tracing::debug!(
-                    attempt = self.attempt,
+                    attempt = self.retries + 1,
                     status = head.status.as_u16(),
                     "a layer inside asked to re-send the attempt at once"
                 );
@@ -1270,7 +1271,7 @@ where
         span.record("error.type", class.as_str());
         self.note_class(Some(class));
         self.trail.push(AttemptRecord {
-            attempt: self.attempt,
+            attempt: self.retries + 1,
             class,
             status,
             retry_after: c.retry_after(),
@@ -1305,7 +1306,7 @@ where
         let max_retries = self.policy().get_max_retries();
         tracing::info!(
             parent: span,
-            attempt = self.attempt,
+            attempt = self.retries + 1,
             "error.type" = class.as_str(),
             status = status.map(|s| s.as_u16()),
             delay_ms = delay.as_millis() as u64,
@@ -1314,8 +1315,7 @@ where
         );
         if let Some(observer) = &self.config.observer {
             observer.on_retry(&RetryEvent {
-                attempt: self.attempt,
-                retry: self.attempt + 1,
+                attempt: self.retries + 1,
                 class,
                 status,
                 error,
@@ -1329,11 +1329,11 @@ where
     fn give_up(&mut self, c: &Classification, reason: GiveUpReason, span: &Span) {
         self.trail.set_gave_up(reason);
         // A plain "no" (a 404, say) on a first attempt is no give-up: there was nothing to try.
-        if c.is_retryable() || self.attempt > 0 {
+        if c.is_retryable() || self.retries > 0 {
             let class = c.class().unwrap_or(FailureClass::Other);
             tracing::warn!(
                 parent: span,
-                attempts = self.attempt + 1,
+                attempts = self.retries + 1,
                 "error.type" = class.as_str(),
                 reason = ?reason,
                 "giving up on LLM request"

@@ -29,7 +29,7 @@ pub(crate) struct Config<C> {
     pub(crate) peek_limit: usize,
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) observer: Option<Arc<dyn RetryObserver>>,
-    pub(crate) attempt_header: Option<HeaderName>,
+    pub(crate) retry_count_header: Option<HeaderName>,
     pub(crate) sse_gate: bool,
     pub(crate) stream_end_check: bool,
     pub(crate) buffer_responses: Option<usize>,
@@ -50,7 +50,7 @@ impl RetryLayer {
                 peek_limit: DEFAULT_PEEK_LIMIT,
                 cancel: None,
                 observer: None,
-                attempt_header: None,
+                retry_count_header: None,
                 sse_gate: true,
                 stream_end_check: true,
                 buffer_responses: None,
@@ -84,7 +84,7 @@ impl<C> RetryLayer<C> {
                 peek_limit: c.peek_limit,
                 cancel: c.cancel,
                 observer: c.observer,
-                attempt_header: c.attempt_header,
+                retry_count_header: c.retry_count_header,
                 sse_gate: c.sse_gate,
                 stream_end_check: c.stream_end_check,
                 buffer_responses: c.buffer_responses,
@@ -124,10 +124,11 @@ impl<C> RetryLayer<C> {
         self
     }
 
-    /// Sends the attempt number (0 for the first attempt, then 1, 2, …) in this request
-    /// header, as the official SDKs do with `x-stainless-retry-count`. Defaults to none.
-    pub fn attempt_header(mut self, name: HeaderName) -> Self {
-        self.config.attempt_header = Some(name);
+    /// Sends, in this request header, how many retries came before the attempt: 0 on the
+    /// first attempt, 1 on the second, and so on (attempt number − 1), as the official SDKs
+    /// do with `x-stainless-retry-count`. Defaults to none.
+    pub fn retry_count_header(mut self, name: HeaderName) -> Self {
+        self.config.retry_count_header = Some(name);
         self
     }
 
@@ -204,7 +205,7 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("peek_limit", &self.peek_limit)
             .field("cancellation", &self.cancel.is_some())
             .field("observer", &self.observer.is_some())
-            .field("attempt_header", &self.attempt_header)
+            .field("retry_count_header", &self.retry_count_header)
             .field("sse_gate", &self.sse_gate)
             .field("stream_end_check", &self.stream_end_check)
             .field("buffer_responses", &self.buffer_responses)

@@ -55,7 +55,7 @@
 //!             .retry_after_max(Duration::from_secs(30)),
 //!     )
 //!     .body_limit(8 * 1024 * 1024)
-//!     .attempt_header(HeaderName::from_static("x-stainless-retry-count"))
+//!     .retry_count_header(HeaderName::from_static("x-stainless-retry-count"))
 //!     .observer(LogRetries)
 //!     .cancellation(shutdown.clone());
 //! # let _ = layer;
@@ -64,8 +64,8 @@
 //! # What happens to one request
 //!
 //! 1. The body is read once into [`Bytes`](bytes::Bytes), under the body limit. Every attempt
-//!    sends the same bytes and headers, plus an [`AttemptContext`] extension (and, opt-in, an
-//!    attempt-count header).
+//!    sends the same bytes and headers, plus an [`AttemptContext`] extension (and, opt-in, a
+//!    retry-count header).
 //! 2. Each attempt's outcome goes to the [`Classify`](crate::classify::Classify)
 //!    implementation (the default's table is in [`classify`](crate::classify)). For 4xx and 5xx
 //!    responses the start of the body (64 KiB by default) is read first, so that
@@ -77,6 +77,40 @@
 //!    polled ready before each attempt.
 //! 4. The result is the last response (with a [`RetryTrail`] extension if any attempt failed),
 //!    or an [`Error`](crate::Error) whose kind says why.
+//!
+//! # Attempt numbers
+//!
+//! Attempts are numbered from 1: the first attempt is attempt 1, the first retry attempt 2.
+//! Every `attempt` in the crate counts this way ([`AttemptContext::attempt`],
+//! [`AttemptRecord::attempt`](crate::AttemptRecord::attempt), [`RetryEvent::attempt`], the
+//! `attempt` field of the log events). What counts retries says so in its name and counts
+//! from 0: [`RetryPolicy::max_retries`], the [retry-count header](RetryLayer::retry_count_header)
+//! (attempt − 1, as the official SDKs' `x-stainless-retry-count`), and the span field
+//! `http.request.resend_count`. A [`RetryTrail`]'s
+//! [`total_attempts`](crate::RetryTrail::total_attempts) counts every request sent, including
+//! the immediate re-send of one the server provably never processed.
+//!
+//! # Companion layers inside the loop
+//!
+//! [`AuthLayer`](crate::AuthLayer), [`ModelFallbackLayer`](crate::ModelFallbackLayer) and
+//! [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside a `RetryLayer` keep no copy of
+//! the request and read no error body of their own: they edit each send on its way in, and
+//! ask the loop about the answer. The loop reads the error body once, parses it once for all
+//! of them, and does what they ask:
+//!
+//! - re-send the same attempt at once (a fresh credential after a `401`, the next pool key
+//!   after a `429`, a repaired `max_tokens`): not a retry, so no backoff, no budget, no new
+//!   attempt number, and the fleet does not learn from the answer it replaces;
+//! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh),
+//!   [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)), or return the
+//!   response without a retry (an overload from the last model of a fallback chain): these hold
+//!   whatever the classifier says, so a custom [`Classify`](crate::Classify) cannot retry them;
+//! - send the next attempt one model further down the fallback chain.
+//!
+//! A repair is carried by every later attempt of the request. Between the loop and a
+//! companion, the request body must stay a [`ReplayBody`](crate::ReplayBody): a layer that maps
+//! the body in between makes the companion work on its own (buffering and re-sending itself),
+//! as it does without a `RetryLayer`.
 //!
 //! # Defaults
 //!
@@ -93,7 +127,7 @@
 //! | total deadline | none; when set, no attempt starts after it, a retry whose sleep would reach it is not made, every wait (gate, pacing line, `poll_ready`) ends at it, and each attempt's head timeout is cut to what is left | [`deadline`](RetryPolicy::deadline) |
 //! | request body buffer | 32 MiB (Anthropic's request limit) | [`RetryLayer::body_limit`] |
 //! | error body, or SSE preamble, read before deciding | 64 KiB (the caller still gets all of it) | [`RetryLayer::peek_limit`] |
-//! | attempt-count header | none | [`RetryLayer::attempt_header`] (`x-stainless-retry-count`, as the official SDKs) |
+//! | retry-count header | none | [`RetryLayer::retry_count_header`] (`x-stainless-retry-count`, as the official SDKs) |
 //! | SSE first-event gate | on for `text/event-stream` | [`RetryLayer::sse_gate`] |
 //! | stream end check (a clean cut before the terminal event is an error) | on | [`RetryLayer::stream_end_check`] |
 //! | read 2xx bodies whole inside the loop, retrying truncated ones | off | [`RetryLayer::buffer_responses`] |
@@ -177,7 +211,10 @@ use http::StatusCode;
 
 pub use self::body::RetryBody;
 pub(crate) use self::future::ResBodyOf;
-pub use self::future::{HttpResponse, ResponseFuture};
+pub use self::future::ResponseFuture;
+// Sealed: it appears in the bounds of the response futures, but cannot be named or implemented
+// outside the crate.
+pub(crate) use self::future::HttpResponse;
 #[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
@@ -193,7 +230,8 @@ use crate::error::RetryTrail;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AttemptContext {
-    /// This attempt's number: 0 for the first, 1 for the first retry, and so on.
+    /// This attempt's number: 1 for the first, 2 for the first retry, and so on (see
+    /// [Attempt numbers](crate::retry#attempt-numbers)).
     pub attempt: u32,
     /// How the previous attempt failed, if there was one.
     pub previous: Option<FailureClass>,
@@ -219,10 +257,9 @@ pub struct NotReplaySafe;
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct RetryEvent<'a> {
-    /// The attempt that failed: 0 for the first.
+    /// The attempt that failed: 1 for the first. The retry about to be made is attempt
+    /// `attempt + 1`.
     pub attempt: u32,
-    /// The retry about to be made: 1 for the first.
-    pub retry: u32,
     /// How the attempt failed.
     pub class: FailureClass,
     /// The response status, when the attempt got a response.

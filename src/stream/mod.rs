@@ -87,7 +87,13 @@
 mod sse;
 mod terminal;
 
-pub use self::sse::{ScanError, SseEvent, SseScanner};
+pub use self::sse::SseEvent;
+#[cfg(not(fuzzing))]
+pub(crate) use self::sse::{ScanError, SseScanner};
+// The fuzz targets drive the scanner directly (`cargo fuzz` builds with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub use self::sse::{ScanError, SseScanner};
 pub(crate) use self::terminal::StreamScan;
 pub use self::terminal::{IncompleteStream, StreamProtocol};
 

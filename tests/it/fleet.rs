@@ -1074,7 +1074,7 @@ async fn a_retry_whose_pacing_turn_is_past_the_ceiling_gives_up_with_its_trail()
         seen.1.seen(),
         [
             Seen::Retry {
-                attempt: 0,
+                attempt: 1,
                 class: tower_llm_retry::FailureClass::Server,
                 status: Some(StatusCode::SERVICE_UNAVAILABLE),
                 retry_after: None,

@@ -372,7 +372,7 @@ async fn per_request_policy_overrides_the_layer() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn attempt_header_counts_up_from_zero() {
+async fn retry_count_header_counts_up_from_zero() {
     let server = MockServer::start(
         Script::new()
             .then(Reply::status(500))
@@ -382,7 +382,10 @@ async fn attempt_header_counts_up_from_zero() {
     .await
     .unwrap();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().attempt_header(HeaderName::from_static("x-stainless-retry-count")))
+        .layer(
+            RetryLayer::new()
+                .retry_count_header(HeaderName::from_static("x-stainless-retry-count")),
+        )
         .service(http_client());
     svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
         .await
@@ -441,10 +444,10 @@ async fn inner_layers_see_the_attempt_context() {
     assert_eq!(
         *seen.lock().unwrap(),
         [
-            (0, None, 0),
-            (1, Some(FailureClass::Overloaded), 1),
-            (2, Some(FailureClass::Overloaded), 2),
-            (3, Some(FailureClass::Server), 0),
+            (1, None, 0),
+            (2, Some(FailureClass::Overloaded), 1),
+            (3, Some(FailureClass::Overloaded), 2),
+            (4, Some(FailureClass::Server), 0),
         ]
     );
 }

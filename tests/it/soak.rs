@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{BudgetConfig, Fleet};
 use tower_llm_retry::json_edit::{read_value, replace_value};
-use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::retry::Random;
 use tower_llm_retry::{
     ApiKey, AuthLayer, ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer,
@@ -54,7 +54,7 @@ fn random_reply(rng: &mut StdRng) -> Reply {
         88 => Reply::stall(),
         89..=93 => Reply::sse(vec![
             sse::anthropic_message(&[])[0].clone(),
-            SseEvent::new("ping", r#"{"type": "ping"}"#),
+            SseFrame::new("ping", r#"{"type": "ping"}"#),
             sse::anthropic_error("overloaded_error"),
         ]),
         94..=96 => Reply::context_overflow(190_000, MAX_TOKENS, 195_000),
