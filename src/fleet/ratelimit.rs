@@ -261,7 +261,10 @@ mod tests {
             Some(Duration::from_millis(172_800)),
         );
         let mut headers = HeaderMap::new();
-        headers.insert("anthropic-ratelimit-requests-limit", "4000".parse().unwrap());
+        headers.insert(
+            "anthropic-ratelimit-requests-limit",
+            "4000".parse().unwrap(),
+        );
         assert_eq!(requests_limit(&headers), Some(4000));
         headers.insert("anthropic-ratelimit-requests-limit", "-1".parse().unwrap());
         assert_eq!(requests_limit(&headers), None);

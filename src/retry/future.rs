@@ -1395,3 +1395,6 @@ fn kept(c: Classification) -> Classification {
 fn request_model(body: &[u8]) -> Option<String> {
     crate::json_edit::read_value(body, "model")
 }
+
+#[cfg(test)]
+mod tests;
