@@ -6,20 +6,24 @@
 //! `Retry-After` ceiling, the retry count, the deadline, the budget) is decided after it, in the
 //! order listed in [`retry`](crate::retry#after-the-verdict).
 //!
+//! Before any classifier runs, the loop itself ends a request on the final word of a companion
+//! layer inside it (a credential that could not be had, a signal to switch models, an overload
+//! from the last model of a fallback chain): see
+//! [`retry`](crate::retry#companion-layers-inside-the-loop). A custom [`Classify`] cannot
+//! retry those.
+//!
 //! | # | outcome of the attempt | verdict | class |
 //! |---|---|---|---|
-//! | 1 | an error whose source chain holds a [`crate::Error`] of kind [`TokenRefresh`](crate::ErrorKind::TokenRefresh) or [`FallbackTriggered`](crate::ErrorKind::FallbackTriggered): a layer inside gave its final word | no retry; the error reaches the caller as it is | `Unauthorized`, `Overloaded` |
-//! | 2 | any other error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
-//! | 3 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
-//! | 4 | 2xx | success (`x-should-retry` is not read) | — |
-//! | 5 | an overload (row 8 or 9) from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, whatever `x-should-retry` says | `Overloaded` |
-//! | 6 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 7–12 give | as below |
-//! | 7 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
-//! | 8 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
-//! | 9 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
-//! | 10 | 401 | no retry ([`AuthLayer`](crate::AuthLayer) refreshes once) | `Unauthorized` |
-//! | 11 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`](crate::ContextOverflowLayer) repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
-//! | 12 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
+//! | 1 | an error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
+//! | 2 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
+//! | 3 | 2xx | success (`x-should-retry` is not read) | — |
+//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 5–10 give | as below |
+//! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
+//! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
+//! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
+//! | 8 | 401 | no retry ([`AuthLayer`](crate::AuthLayer) refreshes once) | `Unauthorized` |
+//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`](crate::ContextOverflowLayer) repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 10 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
 //!
 //! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
 //! (64 KiB by default); the caller still receives the whole body. A body that is not JSON, or
