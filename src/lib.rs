@@ -116,7 +116,7 @@
 //! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
 //!   `x::ResponseFuture`.
 //! - Every public type is re-exported at the crate root, except the modules' futures and the
-//!   [`mock`](crate::mock) server.
+//!   [`mock`] server.
 //!
 //! # Results and errors
 //!
