@@ -234,6 +234,5 @@ pub use crate::retry::{
     RetryBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
 };
 pub use crate::stream::{
-    CommitReason, IncompleteStream, OutputTruncated, SseEvent, SseVerdict, StreamCommitted,
-    StreamProtocol,
+    CommitReason, IncompleteStream, OutputTruncated, SseEvent, StreamCommitted, StreamProtocol,
 };

@@ -100,6 +100,9 @@
 
 pub(crate) mod error_body;
 pub mod headers;
+mod sse;
+
+pub use self::sse::{default_sse_verdict, SseVerdict};
 
 use std::fmt;
 use std::sync::Arc;
@@ -108,7 +111,7 @@ use std::time::{Duration, SystemTime};
 use http::StatusCode;
 
 use self::error_body::{body_signal, BodySignal};
-use crate::stream::{SseEvent, SseVerdict};
+use crate::stream::SseEvent;
 
 /// The HTTP status Anthropic uses for "overloaded".
 pub const STATUS_OVERLOADED: u16 = 529;
@@ -284,9 +287,9 @@ pub trait Classify: Send + Sync + 'static {
     }
 
     /// Judges one event of a `text/event-stream` response before the commit point. Defaults
-    /// to [`default_sse_verdict`](crate::stream::default_sse_verdict).
+    /// to [`default_sse_verdict`].
     fn classify_sse_event(&self, event: &SseEvent<'_>) -> SseVerdict {
-        crate::stream::default_sse_verdict(event)
+        default_sse_verdict(event)
     }
 }
 

@@ -18,16 +18,14 @@ use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::ErrorBody;
-use crate::classify::{Classification, Classify, FailureClass};
+use crate::classify::{Classification, Classify, FailureClass, SseVerdict};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
 use crate::fleet::{GateWait, PastDeadline, Ticket};
 use crate::pipeline::{Asks, Carried, Judged};
-use crate::stream::{
-    CommitReason, OutputTruncated, ScanError, SseVerdict, StreamCommitted, StreamScan,
-};
+use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
 
 pub(crate) use self::sealed::HttpResponse;
 
