@@ -38,8 +38,9 @@
 //! # Protocols
 //!
 //! What [`default_sse_verdict`](crate::classify::default_sse_verdict) counts as visible
-//! output, and what the end check ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default) waits
-//! for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
+//! output, and what the end check
+//! ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default)
+//! waits for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
 //! output. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event) can decide
 //! otherwise.
 //!
