@@ -102,13 +102,17 @@
 //! On its own, without `RetryLayer` around it, the layer sees every request as a first attempt:
 //! only a sticky fallback set by other requests applies.
 
+mod circuit;
 mod future;
 mod layer;
 mod service;
+mod target;
 
+pub use self::circuit::{Circuit, CircuitState};
 pub use self::future::ResponseFuture;
-pub use self::layer::ModelFallbackLayer;
+pub use self::layer::{ModelFallbackLayer, TargetStatus};
 pub use self::service::ModelFallback;
+pub use self::target::Target;
 
 /// What [`ModelFallbackLayer`] does once the threshold is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -136,6 +140,27 @@ pub struct ModelUsed {
     /// This response is an overload from the last model of the chain, so no model is left to
     /// fall back to; `RetryLayer` returns it without retrying.
     pub chain_exhausted: bool,
+    /// The upstream this response came from, when its target has one of its own
+    /// ([`Target::upstream`]); `None` for the request's own URI.
+    pub upstream: Option<http::Uri>,
+    /// Every target the request went to, in order of first use, with how many attempts each
+    /// took, when the request took more than one attempt; empty when its first attempt
+    /// answered (one attempt, at `model`).
+    pub attempts: Vec<TargetAttempts>,
+    /// How far down the chain `model` is, for the retry loop's record of the attempt.
+    pub(crate) level: u32,
+}
+
+/// How many attempts of a request went to one target, in [`ModelUsed::attempts`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TargetAttempts {
+    /// The target's model.
+    pub model: String,
+    /// The target's upstream, when it has one of its own.
+    pub upstream: Option<http::Uri>,
+    /// Attempts sent to it.
+    pub attempts: u32,
 }
 
 impl ModelUsed {
