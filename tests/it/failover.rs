@@ -619,30 +619,36 @@ async fn a_stream_cut_after_the_commit_point_never_falls_back() {
     assert!(layer.circuit_states()[0].state.is_closed());
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_interactive_recipe_falls_over_after_one_timeout_within_its_deadline() {
-    // Both stall: the primary times out at 10 s, the fallback at 20.5 s, and the deadline
-    // ends the call at exactly 25 s.
-    let server = MockServer::start(Script::always(Reply::stall()))
-        .await
-        .unwrap();
+/// The interactive recipe of the README and the module docs, jitter aside.
+fn interactive() -> (RetryPolicy, ModelFallbackLayer) {
     let policy = RetryPolicy::interactive()
         .jitter(tower_llm_retry::retry::Jitter::none())
         .head_timeout(Some(Duration::from_secs(10)))
-        .deadline(Some(Duration::from_secs(25)));
+        .deadline(Some(Duration::from_secs(30)));
     let layer = chain()
         .after_timeouts(1)
         .unwrap()
-        .after_failures(1)
+        .after_failures(2)
         .unwrap()
         .circuit(Circuit::new())
         .unwrap();
+    (policy, layer)
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_interactive_recipe_falls_over_after_one_timeout_and_ends_at_its_deadline() {
+    // Both stall: the primary times out at 10 s, the fallback at 20.5 s; its retry at 21.5 s
+    // has its head timeout cut to the deadline, and the call ends at exactly 30 s.
+    let server = MockServer::start(Script::always(Reply::stall()))
+        .await
+        .unwrap();
+    let (policy, layer) = interactive();
     let start = Instant::now();
     let err = send(&server, policy.clone(), layer).await.unwrap_err();
     // The last attempt's head timeout was cut to the deadline; no retry fits after it.
     assert_eq!(err.kind(), ErrorKind::Exhausted);
     assert_eq!(err.trail().unwrap().gave_up(), Some(GiveUpReason::Deadline));
-    assert_eq!(start.elapsed(), Duration::from_secs(25));
+    assert_eq!(start.elapsed(), Duration::from_secs(30));
     assert_eq!(
         seen(&server, start),
         [
@@ -656,10 +662,9 @@ async fn the_interactive_recipe_falls_over_after_one_timeout_within_its_deadline
     let server = MockServer::start(by_model(|_| Reply::stall()))
         .await
         .unwrap();
+    let (policy, layer) = interactive();
     let start = Instant::now();
-    let res = send(&server, policy, chain().after_timeouts(1).unwrap())
-        .await
-        .unwrap();
+    let res = send(&server, policy, layer).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(start.elapsed(), ms(10_500));
     assert_eq!(res.extensions().get::<ModelUsed>().unwrap().model, FALLBACK);
