@@ -214,6 +214,9 @@ struct Ctx<S, C> {
     // so), and how far down its chain ModelFallbackLayer sent it.
     keys_resting: bool,
     served_level: Option<u32>,
+    // The head timeout of the attempt in flight, reckoned when it starts (cut to the
+    // deadline), as the companion layers are told it.
+    attempt_head_timeout: Option<Duration>,
 }
 
 /// A bound on the re-sends companion layers may ask for within one attempt.
@@ -316,6 +319,7 @@ where
             stepped: false,
             keys_resting: false,
             served_level: None,
+            attempt_head_timeout: None,
         };
         let state = State::Buffering {
             prepare: PrepareBody::new(body, ctx.config.body_limit),
@@ -438,7 +442,7 @@ where
                             // The timer starts the first time the attempt has to wait, so an
                             // answer that is ready at once never touches the timer wheel.
                             if timeout.is_none() {
-                                match ctx.head_timeout() {
+                                match ctx.attempt_head_timeout {
                                     Some(d) => {
                                         *armed_for = d;
                                         timeout.set(Some(tokio::time::sleep(d)));
@@ -1002,6 +1006,7 @@ where
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(!self.one_shot).into_parts();
         let carries = self.carried != Carried::default();
+        self.attempt_head_timeout = self.head_timeout();
         parts.extensions.insert(AttemptContext {
             attempt: self.attempt,
             previous: self.previous,
@@ -1009,7 +1014,7 @@ where
             max_retries: self.policy().get_max_retries(),
             carries,
             retry_after_max: self.policy().get_retry_after_max(),
-            head_timeout: self.head_timeout(),
+            head_timeout: self.attempt_head_timeout,
         });
         if carries {
             parts.extensions.insert(self.carried.clone());
