@@ -399,3 +399,98 @@ impl Sticky {
         entry.1 = until;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(class: FailureClass) -> Failed {
+        Failed {
+            class,
+            timed_out: false,
+            unwaitable: false,
+            level: None,
+        }
+    }
+
+    #[test]
+    fn a_replay_steps_at_each_trigger_and_goes_home_on_other_failures() {
+        let triggers = Triggers::default();
+        let o = failed(FailureClass::Overloaded);
+        let s = failed(FailureClass::Server);
+        assert_eq!(triggers.replay(&[o, o], 2).0, 0);
+        assert_eq!(triggers.replay(&[o, o, o], 2).0, 1);
+        assert_eq!(triggers.replay(&[o, o, o, o, o, o], 2).0, 2);
+        assert_eq!(triggers.replay(&[o; 9], 2).0, 2, "never past the chain");
+        // A 503 is no trigger class here: back to the requested model, count restarted.
+        assert_eq!(triggers.replay(&[o, o, o, s], 2).0, 0);
+        assert_eq!(triggers.replay(&[o, o, s, o], 2).0, 0);
+    }
+
+    #[test]
+    fn a_replay_moves_on_from_where_the_failure_happened() {
+        let triggers = Triggers {
+            failures: Some(1),
+            ..Triggers::default()
+        };
+        // The first attempt was sent straight to level 1 (a circuit skipped level 0).
+        let at = |level| Failed {
+            level: Some(level),
+            ..failed(FailureClass::Server)
+        };
+        assert_eq!(triggers.replay(&[at(1)], 2).0, 2);
+        let mut seen = Vec::new();
+        triggers.replay_each(&[at(0), failed(FailureClass::Transport)], 3, |l| {
+            seen.push(l)
+        });
+        assert_eq!(
+            seen,
+            [0, 1],
+            "a failure without a level happened where the replay was"
+        );
+    }
+
+    #[test]
+    fn timeouts_and_unwaitable_rate_limits_count_only_when_configured() {
+        let timeout = Failed {
+            timed_out: true,
+            ..failed(FailureClass::Transport)
+        };
+        let unwaitable = Failed {
+            unwaitable: true,
+            ..failed(FailureClass::RateLimited)
+        };
+        let none = Triggers::default();
+        assert!(
+            !none
+                .count(&mut Streak::default(), &timeout)
+                .of_trigger_class
+        );
+        assert!(!none.count(&mut Streak::default(), &unwaitable).fires);
+        let on = Triggers {
+            timeouts: Some(2),
+            unwaitable: true,
+            ..Triggers::default()
+        };
+        let mut streak = Streak::default();
+        assert!(!on.count(&mut streak, &timeout).fires);
+        assert!(on.count(&mut streak, &timeout).fires);
+        assert!(on.count(&mut Streak::default(), &unwaitable).fires);
+        // Never a trigger: a failure the loop does not retry.
+        let all = Triggers {
+            overloads: 1,
+            failures: Some(1),
+            timeouts: Some(1),
+            unwaitable: true,
+        };
+        for class in [
+            FailureClass::QuotaExhausted,
+            FailureClass::Unauthorized,
+            FailureClass::ContextOverflow,
+            FailureClass::Client,
+        ] {
+            let c = all.count(&mut Streak::default(), &failed(class));
+            assert!(!c.fires && !c.of_trigger_class, "{class:?}");
+        }
+    }
+}
