@@ -488,6 +488,7 @@ async fn a_flapping_primary_is_covered_by_the_fallback_and_serves_again_within_o
         .layer(layer.clone())
         .service(http_client());
     let mut served = Vec::new();
+    let mut cooldown_at_recovery = None;
     for i in 0..20u64 {
         tokio::time::sleep_until(start + Duration::from_secs(4 * i)).await;
         let res = svc
@@ -497,6 +498,9 @@ async fn a_flapping_primary_is_covered_by_the_fallback_and_serves_again_within_o
             .unwrap();
         assert_eq!(res.status(), StatusCode::OK, "request {i}");
         served.push(res.extensions().get::<ModelUsed>().unwrap().model.clone());
+        if 4 * i == 60 {
+            cooldown_at_recovery = layer.circuit_states()[0].cooldown;
+        }
     }
     let primary: Vec<Duration> = seen(&server, start)
         .into_iter()
@@ -510,8 +514,14 @@ async fn a_flapping_primary_is_covered_by_the_fallback_and_serves_again_within_o
     assert_eq!(first_primary, 17, "the request at 68 s");
     assert!(served[..17].iter().all(|m| m == FALLBACK));
     assert!(served[17..].iter().all(|m| m == PRIMARY));
-    // Recovered at 60 s, served again at 68 s: within the cooldown in force (30 s).
-    assert!(Duration::from_secs(68 - 60) <= Duration::from_secs(30));
+    // Recovered at 60 s, served again at 68 s: within the cooldown in force then (30 s).
+    let cooldown = cooldown_at_recovery.expect("open when the primary recovered");
+    assert_eq!(cooldown, Duration::from_secs(30));
+    let back = primary
+        .iter()
+        .find(|t| **t >= Duration::from_secs(60))
+        .unwrap();
+    assert!(*back - Duration::from_secs(60) <= cooldown, "{back:?}");
     assert!(layer.circuit_states()[0].state.is_closed());
 }
 
@@ -709,4 +719,87 @@ async fn head_timeouts_count_against_the_circuit() {
         layer.circuit_states()[0].state,
         CircuitState::Open { .. }
     ));
+}
+
+#[derive(Clone, Default)]
+struct Capture(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_circuit_transition_is_a_tracing_event() {
+    let capture = Capture::default();
+    let writer = capture.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let healthy = Arc::new(AtomicBool::new(false));
+    let flag = healthy.clone();
+    let server = MockServer::start(by_model(move |_| match flag.load(Ordering::SeqCst) {
+        true => Reply::success(),
+        false => Reply::status(503),
+    }))
+    .await
+    .unwrap();
+    let layer = chain()
+        .after_failures(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(1).cooldown(Duration::from_secs(10)))
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy()))
+        .layer(layer.clone())
+        .service(http_client());
+    let start = Instant::now();
+    for at in [0, 10, 30] {
+        tokio::time::sleep_until(start + Duration::from_secs(at)).await;
+        healthy.store(at == 30, Ordering::SeqCst);
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+    let transitions: Vec<&str> = text
+        .lines()
+        .filter_map(|l| {
+            [
+                "circuit opened",
+                "circuit half-open",
+                "circuit reopened",
+                "circuit closed",
+            ]
+            .into_iter()
+            .find(|t| l.contains(t))
+        })
+        .collect();
+    assert_eq!(
+        transitions,
+        [
+            "circuit opened",
+            "circuit half-open",
+            "circuit reopened",
+            "circuit half-open",
+            "circuit closed"
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains("target=\"claude-opus-4-1\"") || text.contains("target=claude-opus-4-1"),
+        "{text}"
+    );
 }
