@@ -104,7 +104,9 @@
 //!   trigger class (a `503` when only the overload trigger is on) resets them and sends the
 //!   next attempt back to the requested model (or the first target whose circuit takes it).
 //! - The retry after a trigger sleeps the policy's backoff, not the failing target's
-//!   `Retry-After`.
+//!   `Retry-After`, and does not wait at the [fleet](crate::fleet)'s cooldown gate that
+//!   `Retry-After` closed. First attempts of other requests still wait at a closed gate,
+//!   whichever target they would go to: the gate is the fleet's, not a target's.
 //! - A context window overflow is [`ContextOverflowLayer`](crate::ContextOverflowLayer)'s:
 //!   with a [`context_window_fallback`](crate::ContextOverflowLayer::context_window_fallback)
 //!   model, placed inside this layer, it re-sends the request once to that model within the

@@ -1148,7 +1148,8 @@ where
             // what `Instant` can hold is past any deadline.
             let now = Instant::now();
             let after_sleep = now.checked_add(delay);
-            let after_gate = self.config.fleet.gate_closed_until().map(|until| {
+            let after_gate = self.config.fleet.gate_closed_until().filter(|_| !stepped);
+            let after_gate = after_gate.map(|until| {
                 now.checked_add(policy.get_retry_after_max())
                     .map_or(until, |cap| until.min(cap))
             });
@@ -1159,6 +1160,11 @@ where
         // Fleet: the shared retry budget has the last word.
         if !self.config.fleet.withdraw() {
             return Err(GiveUpReason::Budget);
+        }
+        // A retry on the next target of a fallback chain does not wait at the gate the
+        // failing target's Retry-After closed.
+        if stepped {
+            self.gate_passed = true;
         }
         Ok(delay)
     }

@@ -803,3 +803,34 @@ async fn every_circuit_transition_is_a_tracing_event() {
         "{text}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_closed() {
+    use tower_llm_retry::{Fleet, GateConfig};
+    let server = MockServer::start(by_model(|_| {
+        Reply::overloaded().header("retry-after", "20")
+    }))
+    .await
+    .unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new()))
+        .build();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy()).fleet(fleet.clone()))
+        .layer(chain().threshold(1).unwrap())
+        .service(http_client());
+    let start = Instant::now();
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(
+        fleet.gate_closed_until().is_some(),
+        "the primary's Retry-After closed the gate"
+    );
+    assert_eq!(
+        seen(&server, start),
+        [(PRIMARY.to_owned(), ms(0)), (FALLBACK.to_owned(), ms(500))]
+    );
+}
