@@ -834,3 +834,37 @@ async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_
         [(PRIMARY.to_owned(), ms(0)), (FALLBACK.to_owned(), ms(500))]
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn on_its_own_the_layer_still_routes_around_an_open_circuit() {
+    let server = MockServer::start(by_model(|_| Reply::status(503)))
+        .await
+        .unwrap();
+    let layer = chain()
+        .after_failures(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(2).cooldown(Duration::from_secs(30)))
+        .unwrap();
+    // No RetryLayer: the layer buffers the body itself and never retries.
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(http_client());
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        statuses.push(res.status().as_u16());
+    }
+    assert_eq!(statuses, [503, 503, 200, 200]);
+    let models: Vec<String> = server.requests().iter().map(model_of).collect();
+    assert_eq!(models, [PRIMARY, PRIMARY, FALLBACK, FALLBACK]);
+    assert_only_value_changed(
+        REQUEST.as_bytes(),
+        &server.requests()[2].body,
+        "model",
+        "\"claude-sonnet-4-5\"",
+    );
+}
