@@ -551,16 +551,14 @@ async fn a_fallback_on_another_upstream_gets_the_same_bytes_but_the_model_and_it
         .layer(layer)
         .layer(AuthLayer::new(ApiKey::new("sk-primary").unwrap()))
         .service(http_client());
-    let res = svc
-        .oneshot(anthropic_request(
-            &primary.url("/v1/messages?beta=true"),
-            REQUEST,
-        ))
-        .await
-        .unwrap();
+    let mut req = anthropic_request(&primary.url("/v1/messages?beta=true"), REQUEST);
+    let own_host = primary.addr().to_string();
+    req.headers_mut().insert("host", own_host.parse().unwrap());
+    let res = svc.oneshot(req).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
 
     let first = primary.requests();
+    assert_eq!(first[0].headers["host"], own_host.as_str());
     assert_eq!(first.len(), 1);
     assert_eq!(sha256(&first[0].body), sha256(REQUEST.as_bytes()));
     assert_eq!(first[0].headers["x-api-key"], "sk-primary");
@@ -575,6 +573,11 @@ async fn a_fallback_on_another_upstream_gets_the_same_bytes_but_the_model_and_it
         "\"claude-sonnet-4-5\"",
     );
     assert_eq!(moved[0].headers["x-api-key"], "sk-second");
+    assert_eq!(
+        moved[0].headers["host"],
+        second.addr().to_string().as_str(),
+        "the caller's host header follows the new authority"
+    );
     for name in ["anthropic-version", "content-type"] {
         assert_eq!(moved[0].headers[name], first[0].headers[name], "{name}");
     }
