@@ -149,7 +149,7 @@ where
                     }
                 };
                 let judge = planner.judge_for(&head);
-                let mut res = planner.finish(head, RetryBody::plain(body, None), false);
+                let mut res = planner.finish(head, RetryBody::plain(body, None), false, None);
                 if let (Ok(res), Some(judge)) = (&mut res, judge) {
                     Asks::push(res.extensions_mut(), Arc::new(judge));
                 }
@@ -303,16 +303,19 @@ where
                         head,
                         RetryBody::plain(body, None),
                         overloaded,
+                        None,
                     ));
                 }
                 StateProj::Peeking { peek } => {
                     let (head, peeked) = ready!(peek.poll(cx, ctx.p.config.peek_limit));
-                    let overloaded = is_overloaded(head.status, Some(&peeked.contiguous()));
+                    let parsed = ErrorBody::parse(&peeked.contiguous());
+                    let overloaded = overloaded_by(head.status, Some(parsed.signal));
                     this.state.set(State::Done);
                     return Poll::Ready(ctx.p.finish(
                         head,
                         RetryBody::peeked(peeked, IdleTimer::new(None)),
                         overloaded,
+                        Some(&parsed),
                     ));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
@@ -692,6 +695,7 @@ impl Planner {
         head: http::response::Parts,
         body: RetryBody<R>,
         overloaded: bool,
+        error_body: Option<&ErrorBody>,
     ) -> Result<Response<RetryBody<R>>, BoxError> {
         let Some(plan) = self.plan.take() else {
             return Ok(Response::from_parts(head, body));
@@ -707,7 +711,7 @@ impl Planner {
                     unwaitable: false,
                     level: None,
                 }),
-                false => failure_of(&head, None, false, Duration::MAX, plan.level),
+                false => failure_of(&head, error_body, false, Duration::MAX, plan.level),
             };
             let of_trigger_class = failed.is_some_and(|f| {
                 self.config

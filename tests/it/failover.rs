@@ -871,3 +871,31 @@ async fn on_its_own_the_layer_still_routes_around_an_open_circuit() {
         "\"claude-sonnet-4-5\"",
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn on_its_own_an_exhausted_quota_never_counts_against_the_circuit() {
+    let server = MockServer::start(by_model(|_| {
+        Reply::openai_error(429, "insufficient_quota", "You exceeded your current quota")
+    }))
+    .await
+    .unwrap();
+    let layer = chain()
+        .after_failures(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(1))
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(http_client());
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert!(layer.circuit_states()[0].state.is_closed());
+    let models: Vec<String> = server.requests().iter().map(model_of).collect();
+    assert_eq!(models, [PRIMARY, PRIMARY]);
+}
