@@ -45,9 +45,11 @@
 //! caller ──► RetryLayer ──► ModelFallbackLayer ──► ContextOverflowLayer ──► AuthLayer ──► HTTP client
 //! ```
 //!
-//! - [`ModelFallbackLayer`] ([`fallback`]): after 3 consecutive overloads of a request, the
-//!   next attempt goes to the next model of a chain; or, in signal mode, the caller is told to
-//!   switch.
+//! - [`ModelFallbackLayer`] ([`fallback`]): after 3 consecutive overloads of a request (or
+//!   failures of other configured classes: any retryable failure, timeouts, a rate limit with
+//!   nowhere to wait), the next attempt goes to the next target of a chain, another model or
+//!   another upstream, each target with an optional circuit; or, in signal mode, the caller is
+//!   told to switch.
 //! - [`ContextOverflowLayer`] ([`overflow`]): a `max_tokens` that does not fit the context
 //!   window is lowered and the request re-sent at once; a prompt that is too long is handed
 //!   back with its numbers.
@@ -217,7 +219,10 @@ pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
     TimedOut, TimeoutKind,
 };
-pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
+pub use crate::fallback::{
+    Circuit, CircuitState, FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed, Target,
+    TargetAttempts, TargetStatus,
+};
 pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
 pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
 pub use crate::overflow::{

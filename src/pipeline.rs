@@ -13,11 +13,14 @@
 //! - [`Judged::Final`]: end the request with this error (a signal to switch models).
 //! - [`Judged::Keep`]: return this response without a retry, whatever the classifier says
 //!   (an overload from the last model of a fallback chain).
-//! - [`Judged::Step`]: the next attempt goes one model further down the fallback chain.
+//! - [`Judged::Step`]: the next attempt goes one target further down the fallback chain, so
+//!   the failing target's `Retry-After` does not apply to it.
 //!
 //! What the loop carries from one send to the next for them travels in [`Carried`], a
 //! request extension set only once there is something to carry: the success path of a
-//! request sets none.
+//! request sets none. It includes every failed attempt of the request ([`Failed`]), so that
+//! a layer learns about failures it never saw a response for (a transport error, a head
+//! timeout, an idle stall after a `200`) and can decide from them at the next attempt.
 //!
 //! The loop also ends a request at once, before any classifier runs, when an inner layer
 //! fails with one of this crate's final errors ([`Error::is_final`]): a credential that could
@@ -28,6 +31,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::classify::error_body::ErrorBody;
+use crate::classify::FailureClass;
 use crate::error::Error;
 use crate::overflow::OverflowRepaired;
 use crate::retry::AttemptContext;
@@ -42,10 +46,27 @@ pub(crate) struct Carried {
     pub(crate) rotations: u32,
     /// ContextOverflowLayer: the repair every later send of the request carries.
     pub(crate) repair: Option<OverflowRepaired>,
-    /// ModelFallbackLayer: how many models down its chain the next attempt goes.
-    pub(crate) fallback_level: u32,
-    /// ModelFallbackLayer: overloads in a row at the current level.
-    pub(crate) overloads_at_level: u32,
+    /// Every failed attempt of the request so far, in order (ModelFallbackLayer replays them
+    /// through its triggers to know where the next attempt goes).
+    pub(crate) failures: Vec<Failed>,
+    /// AuthLayer, for the judges outside it in the same question: every key of the pool
+    /// rests, so a rate limit has nowhere to wait. Never carried to the next send.
+    pub(crate) keys_resting: bool,
+}
+
+/// One failed attempt, as the loop saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Failed {
+    /// The classifier's class.
+    pub(crate) class: FailureClass,
+    /// A head timeout, an idle stall before the commit point, or a `408`.
+    pub(crate) timed_out: bool,
+    /// A rate limit with nowhere to wait: a `Retry-After` above the policy's ceiling, or every
+    /// key of a pool resting.
+    pub(crate) unwaitable: bool,
+    /// How far down its fallback chain ModelFallbackLayer sent the attempt, when a response
+    /// came back through it.
+    pub(crate) level: Option<u32>,
 }
 
 impl Carried {
@@ -55,19 +76,9 @@ impl Carried {
         self.rotations = 0;
     }
 
-    /// The loop's rule for the fallback level: it lasts while the overloads do. An overload
-    /// counts at the level, unless it just moved the request down the chain; any other
-    /// failure sends the next attempt back to the requested model.
-    pub(crate) fn note_overload(&mut self, overloaded: bool, stepped: bool) {
-        if !overloaded {
-            self.fallback_level = 0;
-            self.overloads_at_level = 0;
-        } else if stepped {
-            self.fallback_level += 1;
-            self.overloads_at_level = 0;
-        } else {
-            self.overloads_at_level += 1;
-        }
+    /// Records a failed attempt.
+    pub(crate) fn note_failure(&mut self, failed: Failed) {
+        self.failures.push(failed);
     }
 }
 
@@ -121,7 +132,8 @@ pub(crate) enum Judged {
     Final(Error),
     /// Return this response without a retry.
     Keep,
-    /// Go on as the classifier says; the next attempt goes one model down the chain.
+    /// Go on as the classifier says, without the failed response's `Retry-After`: the next
+    /// attempt goes one target down the fallback chain.
     Step,
 }
 
@@ -169,4 +181,11 @@ impl fmt::Debug for Asks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Asks").field("len", &self.0.len()).finish()
     }
+}
+
+/// How far down its fallback chain ModelFallbackLayer sent the attempt this response answers.
+pub(crate) fn served_level(head: &http::response::Parts) -> Option<u32> {
+    head.extensions
+        .get::<crate::fallback::ModelUsed>()
+        .map(|used| used.level)
 }

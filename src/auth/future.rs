@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::layer::Config;
-use super::{AuthOutcome, Credential, CredentialFuture};
+use super::{AuthOutcome, Credential, CredentialFuture, TokenSource};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
 use crate::classify::error_body::{body_signal, BodySignal, ErrorBody};
 use crate::classify::headers::parse_retry_after;
@@ -23,6 +23,11 @@ use crate::retry::{HttpResponse, RetryBody};
 const MAX_ROTATIONS: u32 = 16;
 
 use crate::retry::ResBodyOf;
+
+/// Request extension: the credential source of the fallback target this request goes to,
+/// used by [`AuthLayer`](super::AuthLayer) instead of its own.
+#[derive(Clone)]
+pub(crate) struct TargetCredential(pub(crate) Arc<dyn TokenSource>);
 
 pin_project! {
     /// The response future of [`Auth`](super::Auth).
@@ -142,6 +147,14 @@ where
 {
     pub(crate) fn new(service: S, config: Arc<Config>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
+        // A fallback target on another upstream brings its own credential source.
+        let config = match parts.extensions.get::<TargetCredential>() {
+            Some(TargetCredential(source)) => Arc::new(Config {
+                source: source.clone(),
+                ..(*config).clone()
+            }),
+            None => config,
+        };
         let prepare = match (Inside::of(&parts), as_replay_body(body)) {
             (Inside::Loop(carried), Ok(body)) => {
                 let mut keys = Keys {
@@ -549,6 +562,9 @@ impl Judge for Rotate {
             .source
             .rate_limited(&self.credential, retry_after)
         {
+            // No key left to move to: the layers outside learn that this rate limit has
+            // nowhere to wait (a fallback target may take it).
+            carried.keys_resting = true;
             return Judged::Pass;
         }
         carried.rotations += 1;

@@ -18,6 +18,11 @@
 //!   [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), which `RetryLayer` returns
 //!   at once rather than retrying.
 //!
+//! A request that [`ModelFallbackLayer`](crate::ModelFallbackLayer) moves to a
+//! [`Target`](crate::fallback::Target) with a [credential](crate::fallback::Target::credential)
+//! of its own is sent with that target's source instead of the layer's (refreshes and
+//! rotations included): the primary's credential never goes to another upstream.
+//!
 //! Re-sends happen within one `RetryLayer` attempt; what the layer did is on the response as
 //! an [`AuthOutcome`] extension, and in `INFO` tracing events (which never carry a credential).
 //!
@@ -109,6 +114,7 @@ pub use self::credential::{
     Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource,
 };
 pub use self::future::ResponseFuture;
+pub(crate) use self::future::TargetCredential;
 pub use self::layer::AuthLayer;
 pub use self::refresh::{RefreshingToken, Token};
 pub use self::service::Auth;

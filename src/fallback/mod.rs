@@ -1,13 +1,16 @@
-//! Falling back to another model when one stays overloaded.
+//! Failover: moving a request to the next target of a chain when the current one fails in
+//! a way that waiting will not fix.
 //!
 //! When a model answers `529` (or an error whose body says `overloaded_error`) several times in
 //! a row, waiting longer rarely helps; another model usually answers at once.
-//! [`ModelFallbackLayer`] sits inside [`RetryLayer`](crate::RetryLayer) and reads the number of
-//! consecutive overloads of the request from the [`AttemptContext`](crate::AttemptContext)
-//! that the retry loop attaches to every attempt. Once it reaches the threshold (3 by default)
-//! the next attempt goes to the next model of the chain: the top-level `"model"` of the JSON
-//! body is replaced and every other byte is left as it was (see [`json_edit`](crate::json_edit)),
-//! so the prompt cache still matches the prefix.
+//! [`ModelFallbackLayer`] sits inside [`RetryLayer`](crate::RetryLayer) and decides, from what
+//! the retry loop carries for it (every failed attempt of the request, its class, whether it
+//! timed out), where each attempt goes. Once a trigger fires (by default: 3 overloads in a
+//! row) the next attempt goes to the next target of the chain: the top-level `"model"` of the
+//! JSON body is replaced and every other byte is left as it was (see
+//! [`json_edit`](crate::json_edit)), so the prompt cache still matches the prefix. A target
+//! can also be another upstream with its own credential ([`Target`]), and each target can
+//! have a [`Circuit`] shared by every request of the layer.
 //!
 //! Outside `RetryLayer` (or with no `RetryLayer` at all) the layer sees no `AttemptContext`,
 //! so it cannot count a request's consecutive overloads and does not fall back as configured;
@@ -72,27 +75,158 @@
 //!
 //! | setting | default | change with |
 //! |---|---|---|
-//! | threshold | 3 consecutive overloads of one request | [`threshold(n)`](ModelFallbackLayer::threshold) (at least 1) |
+//! | chain | — | [`new([...])`](ModelFallbackLayer::new): model names or [`Target`]s |
+//! | overload trigger | 3 consecutive overloads of one request | [`threshold(n)`](ModelFallbackLayer::threshold) (at least 1) |
+//! | failure trigger | off | [`after_failures(n)`](ModelFallbackLayer::after_failures): `n` consecutive retryable failures of any class |
+//! | timeout trigger | off | [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts): `n` consecutive head timeouts, idle stalls before the commit point, or `408`s |
+//! | rate limit with nowhere to wait | off | [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit) |
+//! | circuit per target | none | [`circuit(Circuit)`](ModelFallbackLayer::circuit); state through [`circuit_states`](ModelFallbackLayer::circuit_states) |
 //! | sticky | off: every request starts on its own model | [`sticky(cooldown)`](ModelFallbackLayer::sticky): later requests for that model start at the fallback until the cooldown ends |
 //! | mode | [`FallbackMode::Rewrite`]: rewrite the body's `"model"` | [`mode(FallbackMode::Signal)`](ModelFallbackLayer::mode): end the request with [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) |
 //! | body buffer, on its own | 32 MiB | [`body_limit`](ModelFallbackLayer::body_limit) |
 //! | error body read to tell an overload | 64 KiB | [`peek_limit`](ModelFallbackLayer::peek_limit) |
 //!
+//! Every setting is a plain number, duration, flag or URL, so a configuration file maps onto
+//! the builder one key to one call.
+//!
+//! # Triggers
+//!
+//! | failure of an attempt | moves the request on |
+//! |---|---|
+//! | `529`, or an error body saying `overloaded_error` | after `threshold` in a row (default 3) |
+//! | `5xx`, `408`, `409`, `429`, a transport error, a head timeout, an idle stall before the commit point, a truncated body | with [`after_failures(n)`](ModelFallbackLayer::after_failures), after `n` in a row |
+//! | a head timeout, an idle stall before the commit point, a `408` | with [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts), after `n` in a row |
+//! | `429` with a `Retry-After` above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max), or with every key of an [`ApiKeyPool`](crate::auth::ApiKeyPool) inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
+//! | `400` validation, `401`, `403`, `404`, an exhausted quota, a context overflow | never |
+//! | anything after a stream's commit point | never: nothing is re-sent after output |
+//!
+//! - The counts are of *consecutive* failures of one request. A failure of no configured
+//!   trigger class (a `503` when only the overload trigger is on) resets them and sends the
+//!   next attempt back to the requested model (or the first target whose circuit takes it).
+//! - The retry after a trigger sleeps the policy's backoff, not the failing target's
+//!   `Retry-After`, and does not wait at the [fleet](crate::fleet)'s cooldown gate that
+//!   `Retry-After` closed. First attempts of other requests still wait at a closed gate,
+//!   whichever target they would go to: the gate is the fleet's, not a target's.
+//! - A context window overflow is [`ContextOverflowLayer`](crate::ContextOverflowLayer)'s:
+//!   with a [`context_window_fallback`](crate::ContextOverflowLayer::context_window_fallback)
+//!   model, placed inside this layer, it re-sends the request once to that model within the
+//!   same attempt, and [`ModelUsed::model`] names it. The two meet there and nowhere else: an
+//!   overflow is never a trigger of this layer (a smaller-context fallback would fail the
+//!   same way).
+//!
+//! # Circuits
+//!
+//! With [`circuit(Circuit)`](ModelFallbackLayer::circuit) each target of the chain has a
+//! circuit, shared by every service and clone of the layer:
+//!
+//! | state | requests | leaves it |
+//! |---|---|---|
+//! | closed | go to the target; the success path reads one atomic flag, takes no lock | after `failures` failures of the layer's trigger classes within `window` (default 5 in 30 s): open |
+//! | open | skip it for the next target at once, with no wait on it | when the cooldown ends (default 30 s): half-open |
+//! | half-open | one request at a time probes the target; the others keep skipping it | a good probe closes it; a failed one reopens it with the cooldown doubled, up to `max_cooldown` (default 5 min) |
+//!
+//! Every transition is a tracing event (`WARN` for opened and reopened, `INFO` for half-open
+//! and closed), and [`circuit_states`](ModelFallbackLayer::circuit_states) reads the state of
+//! every target for metrics and readiness. A request whose model is not in the chain has no
+//! circuit for that model: list the primary first to give it one. Circuits apply in
+//! [`FallbackMode::Rewrite`]. When every circuit from the request's level on is open, the
+//! request goes where the triggers sent it. A response head counts as an answer: a `200`
+//! event stream that then fails before its first output moves the request on, but does not
+//! count against the circuit.
+//!
+//! [Sticky mode](ModelFallbackLayer::sticky) is the older, blunter form of the same idea: one
+//! request's fallback holds every request for that model on the fallback until the cooldown
+//! ends, and then sends them all back at once. A circuit with `failures(1)` and the same
+//! cooldown does what sticky mode does, but probes with one request and doubles the cooldown
+//! while the target stays down; prefer it.
+//!
+//! # Targets on other upstreams
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_llm_retry::auth::ApiKey;
+//! use tower_llm_retry::fallback::{Circuit, ModelFallbackLayer, Target};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let layer = ModelFallbackLayer::new([
+//!     // The primary, on the request's own upstream, with the AuthLayer's credential.
+//!     Target::new("claude-sonnet-4-5"),
+//!     // The same model through a second gateway, with a key of its own.
+//!     Target::new("claude-sonnet-4-5")
+//!         .upstream("https://gateway.example.com/anthropic")?
+//!         .credential(ApiKey::new("sk-gateway")?),
+//! ])?
+//! .after_failures(2)?
+//! .circuit(Circuit::new().failures(5).window(Duration::from_secs(30)))?;
+//! # let _ = layer;
+//! # Ok(()) }
+//! ```
+//!
+//! A target's [`upstream`](Target::upstream) replaces the request URI's scheme, authority and
+//! path prefix (the path and query follow the prefix); its
+//! [`credential`](Target::credential) is used by the [`AuthLayer`](crate::auth::AuthLayer)
+//! inside this layer in place of its own, so the primary's key never goes to the other
+//! upstream. Without an `AuthLayer` inside, a target's credential source is not applied.
+//! [`ModelUsed`] says which model and upstream served and how many attempts each target took.
+//!
+//! # Interactive callers
+//!
+//! A person at the keyboard should not wait out a retry schedule on a target that has
+//! stopped answering. The recommended setup, for streaming requests:
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower::ServiceBuilder;
+//! use tower_llm_retry::fallback::{Circuit, ModelFallbackLayer};
+//! use tower_llm_retry::{RetryLayer, RetryPolicy};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let policy = RetryPolicy::interactive()
+//!     .head_timeout(Some(Duration::from_secs(10)))
+//!     .deadline(Some(Duration::from_secs(30)));
+//! let stack = ServiceBuilder::new()
+//!     .layer(RetryLayer::new().policy(policy))
+//!     .layer(
+//!         ModelFallbackLayer::new(["claude-sonnet-4-5", "claude-haiku-4-5"])?
+//!             .after_timeouts(1)?
+//!             .after_failures(2)?
+//!             .circuit(Circuit::new())?,
+//!     );
+//! # let _ = stack;
+//! # Ok(()) }
+//! ```
+//!
+//! - A primary that stalls is left after its first head timeout (10 s); one that fails twice
+//!   in a row (a `503`, a reset) after the second; an overloaded one after 3 overloads.
+//! - Once the primary's circuit opens (5 such failures within 30 s), requests start on the
+//!   fallback at once, and one request at a time finds out whether the primary is back.
+//! - The [deadline](crate::RetryPolicy::deadline) covers the whole call, fallbacks included:
+//!   no attempt starts after it, no retry is made whose sleep would reach it, and each
+//!   attempt's head timeout is cut to what is left of it. The worst case until the caller has
+//!   a response head (or, for a stream, its first output) or an error is the deadline,
+//!   30 s; without it, the interactive policy's 4 attempts of up to 10 s each and their
+//!   backoffs (0.5, 1 and 2 s, each up to 25 % more) could take 44.4 s, and up to 60 s more
+//!   where servers ask for a `Retry-After` (honoured up to 20 s). After that point the
+//!   deadline no longer applies: each gap between a stream's frames is bounded by the
+//!   [idle timeout](crate::RetryPolicy::idle_timeout).
+//! - The test `the_interactive_recipe_falls_over_after_one_timeout_and_ends_at_its_deadline`
+//!   runs exactly this setup against stalled servers: the primary is left at 10 s, the
+//!   fallback answers at 10.5 s, and with both stalled the call ends at 30 s.
+//!
 //! # The chain
 //!
-//! - A request whose model is itself in the chain falls back to the models after it, so one
+//! - A request whose model is itself in the chain falls back to the targets after it, so one
 //!   chain serves requests for any of its models.
-//! - The count is of *consecutive* overloads: any other outcome (a 503, a timeout) resets it,
-//!   and without [sticky](ModelFallbackLayer::sticky) mode the attempt after such a reset goes
-//!   back to the requested model.
-//! - When the last model of the chain reaches the threshold too, the chain is exhausted: its
-//!   last response goes up unchanged, marked with [`ModelUsed::chain_exhausted`], and
-//!   `RetryLayer` returns it (with its [`RetryTrail`](crate::RetryTrail)) instead of retrying.
+//! - When the last target of the chain reaches the overload threshold too, the chain is
+//!   exhausted: its last response goes up unchanged, marked with
+//!   [`ModelUsed::chain_exhausted`], and `RetryLayer` returns it (with its
+//!   [`RetryTrail`](crate::RetryTrail)) instead of retrying. Other triggers at the last target
+//!   let the retry policy go on there.
 //! - Every response carries a [`ModelUsed`] extension, and each call runs in an
 //!   `llm_fallback` tracing span with the OpenTelemetry fields `gen_ai.request.model` and
 //!   `gen_ai.response.model` set to the model actually used.
 //! - A body that is not a JSON object with a string `"model"`, or that could not be buffered,
-//!   passes through untouched.
+//!   passes through untouched, to the request's own upstream.
 //!
 //! The retry policy must allow enough attempts for the chain: with the default threshold and a
 //! two-model chain, the last model gets its first attempt on the 7th try. Leave
@@ -100,15 +234,19 @@
 //! unset, or set it above `threshold × (chain length + 1)`.
 //!
 //! On its own, without `RetryLayer` around it, the layer sees every request as a first attempt:
-//! only a sticky fallback set by other requests applies.
+//! only a sticky fallback set by other requests, and the circuits, apply.
 
+mod circuit;
 mod future;
 mod layer;
 mod service;
+mod target;
 
+pub use self::circuit::{Circuit, CircuitState};
 pub use self::future::ResponseFuture;
-pub use self::layer::ModelFallbackLayer;
+pub use self::layer::{ModelFallbackLayer, TargetStatus};
 pub use self::service::ModelFallback;
+pub use self::target::Target;
 
 /// What [`ModelFallbackLayer`] does once the threshold is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -136,6 +274,27 @@ pub struct ModelUsed {
     /// This response is an overload from the last model of the chain, so no model is left to
     /// fall back to; `RetryLayer` returns it without retrying.
     pub chain_exhausted: bool,
+    /// The upstream this response came from, when its target has one of its own
+    /// ([`Target::upstream`]); `None` for the request's own URI.
+    pub upstream: Option<http::Uri>,
+    /// Every target the request went to, in order of first use, with how many attempts each
+    /// took, when the request took more than one attempt; empty when its first attempt
+    /// answered (one attempt, at `model`).
+    pub attempts: Vec<TargetAttempts>,
+    /// How far down the chain `model` is, for the retry loop's record of the attempt.
+    pub(crate) level: u32,
+}
+
+/// How many attempts of a request went to one target, in [`ModelUsed::attempts`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TargetAttempts {
+    /// The target's model.
+    pub model: String,
+    /// The target's upstream, when it has one of its own.
+    pub upstream: Option<http::Uri>,
+    /// Attempts sent to it.
+    pub attempts: u32,
 }
 
 impl ModelUsed {

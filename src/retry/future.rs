@@ -24,7 +24,7 @@ use crate::error::{
     TimeoutKind,
 };
 use crate::fleet::{GateWait, PastDeadline, Ticket};
-use crate::pipeline::{Asks, Carried, Judged};
+use crate::pipeline::{Asks, Carried, Failed, Judged};
 use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
 
 pub(crate) use self::sealed::HttpResponse;
@@ -209,6 +209,13 @@ struct Ctx<S, C> {
     resend_next: bool,
     resends: u32,
     stepped: bool,
+    // For the record of this attempt's failure: every key of a pool rests (AuthLayer said
+    // so), and how far down its chain ModelFallbackLayer sent it.
+    keys_resting: bool,
+    served_level: Option<u32>,
+    // The head timeout of the attempt in flight, reckoned when it starts (cut to the
+    // deadline), as the companion layers are told it.
+    attempt_head_timeout: Option<Duration>,
 }
 
 /// A bound on the re-sends companion layers may ask for within one attempt.
@@ -309,6 +316,9 @@ where
             resend_next: false,
             resends: 0,
             stepped: false,
+            keys_resting: false,
+            served_level: None,
+            attempt_head_timeout: None,
         };
         let state = State::Buffering {
             prepare: PrepareBody::new(body, ctx.config.body_limit),
@@ -431,7 +441,7 @@ where
                             // The timer starts the first time the attempt has to wait, so an
                             // answer that is ready at once never touches the timer wheel.
                             if timeout.is_none() {
-                                match ctx.head_timeout() {
+                                match ctx.attempt_head_timeout {
                                     Some(d) => {
                                         *armed_for = d;
                                         timeout.set(Some(tokio::time::sleep(d)));
@@ -470,6 +480,7 @@ where
                         Ok(res) => {
                             let (mut head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
+                            ctx.served_level = crate::pipeline::served_level(&head);
                             let asks = head.extensions.remove::<Asks>();
                             if let Some(mode) = ctx.peek_mode(&head, asks.as_ref()) {
                                 this.state.set(State::Peeking {
@@ -994,12 +1005,15 @@ where
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(!self.one_shot).into_parts();
         let carries = self.carried != Carried::default();
+        self.attempt_head_timeout = self.head_timeout();
         parts.extensions.insert(AttemptContext {
             attempt: self.retries + 1,
             previous: self.previous,
             consecutive_overloads: self.consecutive_overloads,
             max_retries: self.policy().get_max_retries(),
             carries,
+            retry_after_max: self.policy().get_retry_after_max(),
+            head_timeout: self.attempt_head_timeout,
         });
         if carries {
             parts.extensions.insert(self.carried.clone());
@@ -1084,7 +1098,12 @@ where
     }
 
     /// Decides between a retry (and its sleep) and giving up, for a failed attempt.
-    fn plan(&mut self, c: &Classification, not_sent: bool) -> Result<Duration, GiveUpReason> {
+    fn plan(
+        &mut self,
+        c: &Classification,
+        not_sent: bool,
+        stepped: bool,
+    ) -> Result<Duration, GiveUpReason> {
         if !c.is_retryable() {
             return Err(GiveUpReason::NotRetryable);
         }
@@ -1117,7 +1136,8 @@ where
         if self.is_cancelled() {
             return Err(GiveUpReason::Cancelled);
         }
-        let delay = match policy.delay(self.retries + 1, c.retry_after()) {
+        let retry_after = if stepped { None } else { c.retry_after() };
+        let delay = match policy.delay(self.retries + 1, retry_after) {
             Ok(d) => d,
             Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
         };
@@ -1127,7 +1147,8 @@ where
             // what `Instant` can hold is past any deadline.
             let now = Instant::now();
             let after_sleep = now.checked_add(delay);
-            let after_gate = self.config.fleet.gate_closed_until().map(|until| {
+            let after_gate = self.config.fleet.gate_closed_until().filter(|_| !stepped);
+            let after_gate = after_gate.map(|until| {
                 now.checked_add(policy.get_retry_after_max())
                     .map_or(until, |cap| until.min(cap))
             });
@@ -1138,6 +1159,11 @@ where
         // Fleet: the shared retry budget has the last word.
         if !self.config.fleet.withdraw() {
             return Err(GiveUpReason::Budget);
+        }
+        // A retry on the next target of a fallback chain does not wait at the gate the
+        // failing target's Retry-After closed.
+        if stepped {
+            self.gate_passed = true;
         }
         Ok(delay)
     }
@@ -1184,16 +1210,31 @@ where
             .map_err(|PastDeadline| Stop::Deadline)
     }
 
-    fn note_class(&mut self, class: Option<FailureClass>) {
-        let overloaded = class == Some(FailureClass::Overloaded);
-        if overloaded {
+    /// Records a failed attempt: its class, and for the companion layers what else they
+    /// decide on (whether it timed out, whether a rate limit had nowhere to wait, how far
+    /// down a fallback chain it went).
+    fn note_class(
+        &mut self,
+        class: FailureClass,
+        c: &Classification,
+        error: Option<&(dyn std::error::Error + 'static)>,
+    ) {
+        if class == FailureClass::Overloaded {
             self.consecutive_overloads += 1;
         } else {
             self.consecutive_overloads = 0;
         }
-        self.carried
-            .note_overload(overloaded, std::mem::take(&mut self.stepped));
-        self.previous = class;
+        let unwaitable = class == FailureClass::RateLimited
+            && (std::mem::take(&mut self.keys_resting)
+                || c.retry_after()
+                    .is_some_and(|ra| ra > self.policy().get_retry_after_max()));
+        self.carried.note_failure(Failed {
+            class,
+            timed_out: class == FailureClass::Timeout || error.is_some_and(timed_out),
+            unwaitable,
+            level: self.served_level.take(),
+        });
+        self.previous = Some(class);
     }
 
     /// Asks the companion layers' questions about a response. A re-send is granted while a
@@ -1205,7 +1246,9 @@ where
         body: Option<&ErrorBody>,
     ) -> Answer {
         let mut carried = self.carried.clone();
-        match asks.judge(head, body, &mut carried) {
+        let judged = asks.judge(head, body, &mut carried);
+        self.keys_resting = std::mem::take(&mut carried.keys_resting);
+        match judged {
             Judged::Pass => Answer::Go,
             Judged::Step => {
                 self.stepped = true;
@@ -1267,7 +1310,9 @@ where
         }
         let class = c.class().unwrap_or(FailureClass::Other);
         span.record("error.type", class.as_str());
-        self.note_class(Some(class));
+        // A step down a fallback chain leaves the failing target's Retry-After behind.
+        let stepped = std::mem::take(&mut self.stepped);
+        self.note_class(class, c, error);
         self.trail.push(AttemptRecord {
             attempt: self.retries + 1,
             class,
@@ -1277,7 +1322,7 @@ where
             error: error.map(error_chain),
             elapsed: self.started.elapsed(),
         });
-        match self.plan(c, not_sent) {
+        match self.plan(c, not_sent, stepped) {
             Ok(delay) => {
                 self.announce_retry(c, status, error, delay, span);
                 Verdict::Retry(delay)
@@ -1377,6 +1422,21 @@ fn final_class(error: &(dyn std::error::Error + 'static)) -> Option<FailureClass
         next = e.source();
     }
     None
+}
+
+/// Whether an attempt's error says it timed out: no head in time, or a body that stalled
+/// before the commit point.
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.downcast_ref::<TimedOut>()
+            .is_some_and(|t| matches!(t.kind(), TimeoutKind::Head | TimeoutKind::Idle))
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// A classification turned into "no retry", keeping its class and Retry-After.

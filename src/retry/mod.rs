@@ -241,6 +241,10 @@ pub struct AttemptContext {
     pub max_retries: u32,
     /// The loop carries state for the companion layers in a `Carried` extension too.
     pub(crate) carries: bool,
+    /// The longest `Retry-After` the policy waits for.
+    pub(crate) retry_after_max: Duration,
+    /// This attempt's head timeout, as the loop arms it (cut to the deadline).
+    pub(crate) head_timeout: Option<Duration>,
 }
 
 /// Request extension: send this request once, never retry it.

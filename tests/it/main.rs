@@ -13,6 +13,7 @@ mod classification;
 mod continuation;
 mod deadline;
 mod extremes;
+mod failover;
 mod fallback;
 mod faults;
 mod fleet;
