@@ -109,6 +109,7 @@
 //! | `http2` (default) | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]) |
 //! | `mock` | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS |
 //! | `reqwest` | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
+//! | `fleet-redis` | `fleet::RedisFleet`: the fleet's gate and budget shared across processes through Redis |
 //! | `reqwest-middleware` | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` |
 //!
 //! # Where it plugs in

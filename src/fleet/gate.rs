@@ -142,6 +142,7 @@ pub(crate) struct Gate {
 struct Closed {
     until: Instant,
     spread: Duration,
+    announced: Duration,
 }
 
 impl Gate {
@@ -152,15 +153,28 @@ impl Gate {
             closed: Mutex::new(Closed {
                 until: Instant::now(),
                 spread: Duration::ZERO,
+                announced: Duration::ZERO,
             }),
             closings: AtomicU64::new(0),
         }
     }
 
-    /// Closes the gate for `wait` from `now`, unless it already stays closed longer.
-    pub(crate) fn close(&self, now: Instant, wait: Duration) {
+    /// Closes the gate for `wait` from `now`, unless it already stays closed longer; returns
+    /// the new deadline when it moved.
+    pub(crate) fn close(&self, now: Instant, wait: Duration) -> Option<Instant> {
+        self.close_spread(now, wait, wait)
+    }
+
+    /// Closes the gate for `wait` from `now`, its waiters spread as for a wait `announced`
+    /// (a closing learnt from another process, part of whose wait is over already).
+    pub(crate) fn close_spread(
+        &self,
+        now: Instant,
+        wait: Duration,
+        announced: Duration,
+    ) -> Option<Instant> {
         if wait.is_zero() {
-            return;
+            return None;
         }
         // A wait past what any request is held is held that long: a huge Retry-After still
         // closes the gate.
@@ -170,11 +184,20 @@ impl Gate {
         if until > closed.until {
             *closed = Closed {
                 until,
-                spread: self.config.spread_for(wait),
+                spread: self.config.spread_for(announced.max(wait)),
+                announced: announced.max(wait),
             };
             self.maybe_closed.store(true, Ordering::Release);
             self.closings.fetch_add(1, Ordering::Relaxed);
+            return Some(until);
         }
+        None
+    }
+
+    /// The wait the closing in force was announced with, while closed.
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn announced(&self) -> Option<Duration> {
+        self.closed_at(Instant::now()).map(|c| c.announced)
     }
 
     pub(crate) fn closings(&self) -> u64 {

@@ -58,6 +58,54 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Across processes
+//!
+//! With the `fleet-redis` feature, a fleet given a [`RedisFleet`]
+//! ([`FleetBuilder::redis`]) shares its cooldown gate and its retry budget with every
+//! process whose fleet names the same scope (an upstream and a hash of a credential) in the
+//! same Redis. Nothing on a request's path waits for Redis:
+//!
+//! - **Gate**: a closing is one script on Redis's own clock that only ever extends the
+//!   deadline, and publishes it. Each process holds the gate locally and learns of closings
+//!   from its own answers, from the message, and from a poll every second (the backstop).
+//!   The spread of the release stays local.
+//! - **Budget**: the window of `TpsBudget`, fleet-wide: retries in it stay within
+//!   `min_per_sec × ttl + retry_ratio × first attempts` summed over every process. First
+//!   attempts are counted locally and flushed every 100 ms; each process holds a small
+//!   grant of retries from the fleet's balance (renewed with the flush), so a retry spends
+//!   one without a round trip, and a retry the grant cannot pay for is refused.
+//! - **When Redis fails**: every call has a deadline (50 ms); after three failures in a row
+//!   the fleet keeps to its local state, the budget's reserve divided by the number of
+//!   processes last known, reconnects in the background, logs once per change of state,
+//!   and on return hands Redis the gate deadline it learnt meanwhile (Redis keeps the later).
+//!   Keys or scripts that were lost come back with the next call.
+//!
+//! The pacing stays per process. [`Fleet::redis_state`] says whether the fleet is in touch.
+//!
+//! Keys (one hash tag per scope, so the scripts stay legal on Redis Cluster):
+//! `{prefix}:{{scope}}:gate` (a hash: deadline and announced wait, on Redis's clock),
+//! `…:budget` (a hash of deposit and withdrawal counts per slot of the window),
+//! `…:procs` (a sorted set of live processes); closings are published on `…:gate-closed`.
+//!
+#![cfg_attr(
+    feature = "fleet-redis",
+    doc = r#"```no_run
+use tower_llm_retry::fleet::{Fleet, GateConfig, RedisFleet};
+use tower_llm_retry::RetryLayer;
+
+# fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+let store = RedisFleet::from_url("redis://127.0.0.1:6379/")?
+    .scope("api.anthropic.com", b"the API key");
+let fleet = Fleet::builder()
+    .cooldown_gate(Some(GateConfig::new()))
+    .redis(store)
+    .build();
+let layer = RetryLayer::new().fleet(fleet);
+# let _ = layer;
+# Ok(()) }
+```"#
+)]
+//!
 //! # Why the gate and the pacing are opt-in
 //!
 //! One gate, and one pace, hold every request of their fleet. That is right when the fleet's
@@ -76,6 +124,8 @@ mod budget;
 mod gate;
 mod limit;
 pub mod ratelimit;
+#[cfg(feature = "fleet-redis")]
+mod redis;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -91,6 +141,8 @@ pub use self::gate::GateConfig;
 pub(crate) use self::gate::{GateWait, PastDeadline};
 pub use self::limit::PacingConfig;
 use self::limit::Turn;
+#[cfg(feature = "fleet-redis")]
+pub use self::redis::{RedisFleet, RedisState};
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
@@ -119,8 +171,11 @@ pub struct Fleet {
 /// What the handles of one fleet share.
 struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
-    gate: Option<Gate>,
+    gate: Option<Arc<Gate>>,
     pacer: Option<Pacer>,
+    /// The state across processes, when the fleet has a Redis store.
+    #[cfg(feature = "fleet-redis")]
+    redis: Option<self::redis::Link>,
 }
 
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
@@ -130,6 +185,8 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
+    #[cfg(feature = "fleet-redis")]
+    redis: Option<RedisFleet>,
 }
 
 impl FleetBuilder {
@@ -157,12 +214,27 @@ impl FleetBuilder {
         self
     }
 
-    /// The fleet, its state new.
+    /// Shares the budget and the gate with every process whose fleet has the same Redis
+    /// store and scope; see [Across processes](crate::fleet#across-processes). The
+    /// in-process state stays the fallback. Defaults to none: the state is this process's.
+    #[cfg(feature = "fleet-redis")]
+    pub fn redis(mut self, store: RedisFleet) -> Self {
+        self.redis = Some(store);
+        self
+    }
+
+    /// The fleet, its state new. With a Redis store, its background task starts on the
+    /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
+        let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
-                gate: self.gate.map(Gate::new),
+                #[cfg(feature = "fleet-redis")]
+                redis: self
+                    .redis
+                    .map(|store| self::redis::Link::new(store, gate.clone(), self.budget)),
+                gate,
                 pacer: self.pacing.map(Pacer::new),
             }),
         }
@@ -175,6 +247,8 @@ impl Default for FleetBuilder {
             budget: Some(BudgetConfig::default()),
             gate: None,
             pacing: None,
+            #[cfg(feature = "fleet-redis")]
+            redis: None,
         }
     }
 }
@@ -252,8 +326,14 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.refused())
     }
 
+    /// The state of the link to Redis, when the fleet has a Redis store.
+    #[cfg(feature = "fleet-redis")]
+    pub fn redis_state(&self) -> Option<RedisState> {
+        self.inner.redis.as_ref().map(|l| l.state())
+    }
+
     fn gate(&self) -> Option<&Gate> {
-        self.inner.gate.as_ref()
+        self.inner.gate.as_deref()
     }
 
     fn pacer(&self) -> Option<&Pacer> {
@@ -303,12 +383,34 @@ impl Fleet {
     pub(crate) fn deposit(&self) {
         if let Some((_, budget)) = &self.inner.budget {
             budget.deposit();
+            #[cfg(feature = "fleet-redis")]
+            if let Some(link) = &self.inner.redis {
+                link.deposit();
+            }
         }
     }
 
     /// A retry is planned: may it be made?
     pub(crate) fn withdraw(&self) -> bool {
-        self.inner.budget.as_ref().is_none_or(|(_, b)| b.withdraw())
+        let Some((_, budget)) = &self.inner.budget else {
+            return true;
+        };
+        #[cfg(feature = "fleet-redis")]
+        if let Some(link) = &self.inner.redis {
+            return link.withdraw(budget);
+        }
+        budget.withdraw()
+    }
+
+    /// Closes the gate for `wait` from now, and tells the other processes.
+    fn close_gate(&self, gate: &Gate, wait: Duration) {
+        let until = gate.close(Instant::now(), wait);
+        #[cfg(feature = "fleet-redis")]
+        if let (Some(until), Some(link)) = (until, &self.inner.redis) {
+            link.closed(until, wait);
+        }
+        #[cfg(not(feature = "fleet-redis"))]
+        let _ = until;
     }
 
     /// Tells the fleet what a response said. The gate: a `429` / `529` with `Retry-After`, or
@@ -335,7 +437,7 @@ impl Fleet {
             || status == crate::classify::STATUS_OVERLOADED
         {
             if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
-                gate.close(Instant::now(), wait.min(ceiling));
+                self.close_gate(gate, wait.min(ceiling));
             }
         }
         if gate.config.reads_rate_limit_headers() {
@@ -344,7 +446,7 @@ impl Fleet {
                 || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING)
             {
                 if let Some(wait) = ratelimit::requests_exhausted_for(h, gate.config.now()) {
-                    gate.close(Instant::now(), wait.min(ceiling));
+                    self.close_gate(gate, wait.min(ceiling));
                 }
             }
         }
@@ -354,11 +456,13 @@ impl Fleet {
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = &self.inner;
-        f.debug_struct("Fleet")
-            .field("budget", &s.budget.as_ref().map(|(c, b)| (c, b.stats())))
+        let mut d = f.debug_struct("Fleet");
+        d.field("budget", &s.budget.as_ref().map(|(c, b)| (c, b.stats())))
             .field("gate", &s.gate)
-            .field("pacer", &s.pacer)
-            .finish()
+            .field("pacer", &s.pacer);
+        #[cfg(feature = "fleet-redis")]
+        d.field("redis", &s.redis);
+        d.finish()
     }
 }
 

@@ -16,6 +16,8 @@ mod extremes;
 mod fallback;
 mod faults;
 mod fleet;
+#[cfg(feature = "fleet-redis")]
+mod fleet_redis;
 mod http2;
 mod incomplete_stream;
 mod mcp;

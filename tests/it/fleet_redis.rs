@@ -1,0 +1,437 @@
+//! The fleet across processes: several fleets built separately (as separate processes build
+//! theirs) sharing one real `redis-server`, in front of the mock on 127.0.0.1. Redis keeps
+//! real time, so these tests run in real time, each for a few seconds at most.
+
+use std::time::Duration;
+
+use crate::common::*;
+use http::StatusCode;
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, RedisFleet, RedisState};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::{GiveUpReason, Retry, RetryLayer, RetryPolicy, RetryTrail};
+
+#[path = "../common/redis.rs"]
+mod redis_server;
+use redis_server::RedisServer;
+
+fn store(redis: &RedisServer) -> RedisFleet {
+    RedisFleet::from_url(&redis.url())
+        .unwrap()
+        .scope("127.0.0.1", b"test-key")
+}
+
+fn gate() -> GateConfig {
+    GateConfig::new()
+        .spread(0.25, Duration::from_secs(30))
+        .unwrap()
+}
+
+fn policy() -> RetryPolicy {
+    RetryPolicy::default().jitter(Jitter::none())
+}
+
+fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
+    RetryLayer::new()
+        .policy(policy)
+        .fleet(fleet.clone())
+        .layer(http_client())
+}
+
+/// Waits (in real time) until `cond` holds, for at most `limit`; returns how long it took.
+async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() <= limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+fn connected(fleet: &Fleet) -> bool {
+    matches!(fleet.redis_state(), Some(RedisState::Connected { .. }))
+}
+
+async fn all_connected(fleets: &[Fleet]) {
+    let ok = within(Duration::from_secs(2), || fleets.iter().all(connected)).await;
+    assert!(
+        ok.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.redis_state()).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn one_429_seen_by_one_fleet_holds_the_first_attempts_of_all_and_releases_them_spread() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
+        .await
+        .unwrap();
+    // The third fleet does not subscribe: it learns of the closing from its poll.
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|i| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis).subscribe(i != 2))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+
+    let first = tokio::spawn(
+        stacks[0]
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    );
+    within(Duration::from_secs(1), || {
+        fleets[0].gate_closed_until().is_some()
+    })
+    .await
+    .expect("the fleet that got the 429 closes its gate");
+    let refused_at = server.requests()[0].received_at;
+    let by_message = within(Duration::from_millis(500), || {
+        fleets[1].gate_closed_until().is_some()
+    })
+    .await
+    .expect("a subscribed fleet learns of the closing from the message");
+    let by_poll = within(Duration::from_millis(1_500), || {
+        fleets[2].gate_closed_until().is_some()
+    })
+    .await
+    .expect("a fleet that does not subscribe learns of it from the poll");
+    assert!(by_message < Duration::from_millis(100), "{by_message:?}");
+    assert!(by_poll <= Duration::from_millis(1_100), "{by_poll:?}");
+    // Each holds its gate until the deadline Redis keeps, converted on arrival: within a few
+    // milliseconds of the local one.
+    let deadline = fleets[0].gate_closed_until().unwrap();
+    for f in &fleets[1..] {
+        let d = f.gate_closed_until().unwrap();
+        let skew = if d > deadline {
+            d - deadline
+        } else {
+            deadline - d
+        };
+        assert!(skew < Duration::from_millis(20), "{skew:?}");
+    }
+
+    // First attempts of the other fleets, made while the gate is closed.
+    let mut tasks = tokio::task::JoinSet::new();
+    for svc in &stacks[1..] {
+        for _ in 0..10 {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+        }
+    }
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.extensions().get::<RetryTrail>().is_none());
+    }
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(server.request_count(), 22);
+    let mut after: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - refused_at)
+        .collect();
+    after.sort();
+    // None before the deadline (the 429's Retry-After of 2 s, less the Redis round trip that
+    // converted it), then spread over up to 25 % of it.
+    assert!(after[0] >= Duration::from_millis(1_990), "{after:?}");
+    assert!(
+        *after.last().unwrap() <= Duration::from_millis(2_600),
+        "{after:?}"
+    );
+    let span = *after.last().unwrap() - after[0];
+    assert!(
+        span >= Duration::from_millis(150),
+        "released at once: {after:?}"
+    );
+    // Each counted the three of them.
+    for f in &fleets {
+        assert_eq!(
+            f.redis_state(),
+            Some(RedisState::Connected { processes: 3 })
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_budget_holds_fleet_wide_in_a_full_outage() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
+    let fleets: Vec<Fleet> = (0..4)
+        .map(|_| {
+            Fleet::builder()
+                .budget(Some(budget))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    // 3 retries 20, 40 and 80 ms apart: everything happens within one window.
+    let policy = policy()
+        .max_retries(3)
+        .initial_backoff(Duration::from_millis(20));
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy.clone())).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for round in 0..25 {
+        for svc in &stacks {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+        }
+        if round % 5 == 4 {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+    }
+    let (mut retries, mut denied) = (0, 0);
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let trail = res.extensions().get::<RetryTrail>().unwrap();
+        retries += trail.retries();
+        denied += u32::from(trail.gave_up() == Some(GiveUpReason::Budget));
+    }
+    // Fleet-wide: 1 retry a second for 10 s, plus one per 10 of the 100 first attempts. Four
+    // budgets of their own would have allowed 4 × (10 + 2.5) = 50.
+    assert_eq!(budget.max_retries(100), 20);
+    assert!(retries <= 20, "{retries} retries");
+    assert!(
+        retries >= 10,
+        "only {retries} retries of the 20 the budget allows"
+    );
+    assert_eq!(server.request_count(), 100 + retries as usize);
+    assert!(denied >= 80, "{denied}");
+    let stats: u64 = fleets
+        .iter()
+        .map(|f| f.budget_stats().unwrap().retries)
+        .sum();
+    assert_eq!(stats, u64::from(retries));
+}
+
+/// Sends a request through each stack every 10 ms for `run`, and returns the slowest.
+async fn steady(stacks: &[Retry<HttpClient>], server: &MockServer, run: Duration) -> Duration {
+    let start = Instant::now();
+    let mut slowest = Duration::ZERO;
+    while start.elapsed() < run {
+        for svc in stacks {
+            let t = Instant::now();
+            let res = svc
+                .clone()
+                .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+            assert!(res.extensions().get::<RetryTrail>().is_none());
+            slowest = slowest.max(t.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    slowest
+}
+
+/// One 429 with Retry-After 1 s through `a`; returns how long `b` took to learn of it.
+async fn coordination(a: &Fleet, b: &Fleet) -> Option<Duration> {
+    close_through(a, b, "1").await
+}
+
+/// One 429 with Retry-After `secs` through `a`; returns how long `b` took to learn of it.
+async fn close_through(a: &Fleet, b: &Fleet, secs: &str) -> Option<Duration> {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited(secs)))
+        .await
+        .unwrap();
+    let svc = stack(a, policy().max_retries(0));
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    within(Duration::from_millis(1_200), || {
+        b.gate_closed_until().is_some()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn redis_killed_mid_run_loses_fails_and_delays_nothing_and_coordination_comes_back() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // Once each has counted both (its poll after the other's first).
+    let counted = within(Duration::from_millis(1_500), || {
+        fleets
+            .iter()
+            .all(|f| f.redis_state() == Some(RedisState::Connected { processes: 2 }))
+    });
+    assert!(counted.await.is_some());
+    assert!(steady(&stacks, &server, Duration::from_millis(200)).await < Duration::from_millis(50));
+
+    redis.kill();
+    let before = server.request_count();
+    let slowest = steady(&stacks, &server, Duration::from_millis(600)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    assert!(server.request_count() > before);
+    for f in &fleets {
+        assert!(
+            matches!(f.redis_state(), Some(RedisState::Local { processes: 2 })),
+            "{:?}",
+            f.redis_state()
+        );
+    }
+    // Out of touch, each fleet still has its own gate: a closing stays in the one that saw it.
+    assert!(close_through(&fleets[0], &fleets[0], "2").await.is_some());
+    assert_eq!(fleets[1].gate_closed_until(), None);
+
+    redis.restart();
+    let back = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(connected)
+    })
+    .await;
+    assert!(back.is_some(), "{:?}", fleets[0].redis_state());
+    // The closing made while out of touch is merged back into the new Redis, and reaches the
+    // other fleet from there.
+    assert_eq!(
+        redis.command(&["EXISTS", &store(&redis).key_names()[0]]),
+        redis::Value::Int(1)
+    );
+    let merged = within(Duration::from_millis(1_100), || {
+        fleets[1].gate_closed_until().is_some()
+    });
+    assert!(merged.await.is_some());
+    let open = within(Duration::from_secs(2), || {
+        fleets.iter().all(|f| f.gate_closed_until().is_none())
+    });
+    assert!(open.await.is_some());
+    let slowest = steady(&stacks, &server, Duration::from_millis(200)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    // And the gate is shared again.
+    let learnt = coordination(&fleets[0], &fleets[1]).await;
+    assert!(
+        learnt.is_some(),
+        "the other fleet never learnt of the closing"
+    );
+}
+
+#[tokio::test]
+async fn redis_frozen_delays_no_request_and_the_fleet_falls_back_then_returns() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // Redis answers nobody for 1.2 s.
+    redis.command(&["CLIENT", "PAUSE", "1200", "ALL"]);
+    let slowest = steady(&stacks, &server, Duration::from_millis(800)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    for f in &fleets {
+        assert!(
+            matches!(f.redis_state(), Some(RedisState::Local { .. })),
+            "{:?}",
+            f.redis_state()
+        );
+    }
+    let back = within(Duration::from_secs(3), || fleets.iter().all(connected)).await;
+    assert!(back.is_some(), "{:?}", fleets[0].redis_state());
+    assert!(coordination(&fleets[0], &fleets[1]).await.is_some());
+}
+
+#[tokio::test]
+async fn flushed_scripts_and_keys_heal_by_themselves() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    assert!(coordination(&fleets[0], &fleets[1]).await.is_some());
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(fleets[1].gate_closed_until(), None);
+    redis.command(&["SCRIPT", "FLUSH"]);
+    redis.command(&["FLUSHALL"]);
+    assert!(
+        coordination(&fleets[1], &fleets[0]).await.is_some(),
+        "no coordination after the scripts and keys were flushed"
+    );
+    assert!(fleets.iter().all(connected));
+    // And a retry is still paid for by the fleet-wide budget.
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let res = stack(
+        &fleets[0],
+        policy().initial_backoff(Duration::from_millis(10)),
+    )
+    .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    .await
+    .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::OK,
+        "{:?}",
+        res.extensions().get::<RetryTrail>()
+    );
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test]
+async fn the_background_task_ends_when_the_fleet_is_dropped() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(gate()))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let clients = || -> usize {
+        match redis.command(&["CLIENT", "LIST"]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).lines().count(),
+            redis::Value::VerbatimString { text, .. } => text.lines().count(),
+            other => panic!("{other:?}"),
+        }
+    };
+    // Its script connection and its subscription, and the one asking.
+    assert_eq!(clients(), 3);
+    drop(fleet);
+    let gone = within(Duration::from_secs(1), || clients() == 1).await;
+    assert!(gone.is_some(), "{} clients left", clients());
+}
