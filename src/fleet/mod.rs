@@ -80,12 +80,22 @@
 //!   and on return hands Redis the gate deadline it learnt meanwhile (Redis keeps the later).
 //!   Keys or scripts that were lost come back with the next call.
 //!
-//! The pacing stays per process. [`Fleet::redis_state`] says whether the fleet is in touch.
+//! - **Pacing**: one shared GCRA schedule per scope: an attempt reserves the next slot (one
+//!   script, its admission), then sleeps locally for it. The rate is learnt as in one
+//!   process (slow start while attempts queue, `growth` per success, `decrease` per
+//!   refusal) but in Redis, so a refusal decreases it once per fleet, not once per process;
+//!   successes are reported with the next reservation, at no round trip of their own; a
+//!   stated limit caps it. A reservation Redis does not answer within its deadline takes a
+//!   turn of the local line instead; out of touch, the local line keeps to this process's
+//!   share of the fleet's rate. (The quota reading of a long `Retry-After` stays local.)
+//!
+//! [`Fleet::redis_state`] says whether the fleet is in touch.
 //!
 //! Keys (one hash tag per scope, so the scripts stay legal on Redis Cluster):
 //! `{prefix}:{{scope}}:gate` (a hash: deadline and announced wait, on Redis's clock),
 //! `…:budget` (a hash of deposit and withdrawal counts per slot of the window),
-//! `…:procs` (a sorted set of live processes); closings are published on `…:gate-closed`.
+//! `…:procs` (a sorted set of live processes), `…:pace` (a hash: the schedule's next slot,
+//! rate, epoch); closings are published on `…:gate-closed`.
 //!
 #![cfg_attr(
     feature = "fleet-redis",
@@ -172,7 +182,7 @@ pub struct Fleet {
 struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
     gate: Option<Arc<Gate>>,
-    pacer: Option<Pacer>,
+    pacer: Option<Arc<Pacer>>,
     /// The state across processes, when the fleet has a Redis store.
     #[cfg(feature = "fleet-redis")]
     redis: Option<self::redis::Link>,
@@ -227,15 +237,16 @@ impl FleetBuilder {
     /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
         let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
+        let pacer = self.pacing.map(|p| Arc::new(Pacer::new(p)));
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
                 #[cfg(feature = "fleet-redis")]
-                redis: self
-                    .redis
-                    .map(|store| self::redis::Link::new(store, gate.clone(), self.budget)),
+                redis: self.redis.map(|store| {
+                    self::redis::Link::new(store, gate.clone(), self.budget, pacer.clone())
+                }),
                 gate,
-                pacer: self.pacing.map(Pacer::new),
+                pacer,
             }),
         }
     }
@@ -315,9 +326,15 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.config())
     }
 
-    /// The current pacing rate, in requests per second, when pacing is on.
+    /// The current pacing rate, in requests per second, when pacing is on: the fleet's,
+    /// across processes, while a Redis store is in touch.
     pub fn pace(&self) -> Option<f64> {
-        self.inner.pacer.as_ref().map(|p| p.rate())
+        let pacer = self.inner.pacer.as_ref()?;
+        #[cfg(feature = "fleet-redis")]
+        if let Some(rate) = self.inner.redis.as_ref().and_then(|l| l.pace()) {
+            return Some(rate);
+        }
+        Some(pacer.rate())
     }
 
     /// How many attempts gave up because their pacing turn would come later than they may
@@ -337,7 +354,7 @@ impl Fleet {
     }
 
     fn pacer(&self) -> Option<&Pacer> {
-        self.inner.pacer.as_ref()
+        self.inner.pacer.as_deref()
     }
 
     /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
@@ -348,13 +365,27 @@ impl Fleet {
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
         let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
+        let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
+        // Across processes, a turn of the fleet's schedule; the local line otherwise.
+        #[cfg(feature = "fleet-redis")]
+        let remote = self
+            .inner
+            .redis
+            .as_ref()
+            .and_then(|l| l.reserve(give_up_at - now));
+        #[cfg(feature = "fleet-redis")]
+        let n = remote.is_none().then(|| pacer.ticket());
+        #[cfg(not(feature = "fleet-redis"))]
+        let n = Some(pacer.ticket());
         Some(Ticket {
             fleet: self.clone(),
-            n: pacer.ticket(),
+            n,
+            #[cfg(feature = "fleet-redis")]
+            remote,
             done: false,
             joined: false,
             since: now,
-            give_up_at: deadline.map_or(ceiling, |d| d.min(ceiling)),
+            give_up_at,
             by_deadline: deadline.is_some_and(|d| d <= ceiling),
             sleep: None,
         })
@@ -365,8 +396,13 @@ impl Fleet {
         self.pace()
     }
 
-    /// An attempt sent in `epoch` succeeded.
+    /// An attempt that had a pacing turn succeeded.
     pub(crate) fn paced_success(&self) {
+        #[cfg(feature = "fleet-redis")]
+        if let Some(link) = self.inner.redis.as_ref().filter(|l| l.paces()) {
+            link.paced_success();
+            return;
+        }
         if let Some(p) = self.pacer() {
             p.on_success();
         }
@@ -374,6 +410,13 @@ impl Fleet {
 
     /// An attempt sent in `epoch` was refused for load.
     pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
+        #[cfg(feature = "fleet-redis")]
+        if epoch & self::redis::REMOTE_EPOCH != 0 {
+            if let Some(link) = &self.inner.redis {
+                link.paced_refusal(epoch & !self::redis::REMOTE_EPOCH);
+            }
+            return;
+        }
         if let Some(p) = self.pacer() {
             p.on_refusal(epoch, retry_after);
         }
@@ -426,6 +469,11 @@ impl Fleet {
         if let Some(pacer) = self.pacer() {
             if let Some(limit) = ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
+                #[cfg(feature = "fleet-redis")]
+                if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
+                {
+                    link.stated_limit(cap);
+                }
             }
         }
         let Some(gate) = self.gate() else {
@@ -472,7 +520,11 @@ const MAX_PACING_WAIT: Duration = Duration::from_secs(24 * 60 * 60);
 /// A place in the pacing line.
 pub(crate) struct Ticket {
     fleet: Fleet,
-    n: u64,
+    /// Its place in the local line, once it joined it.
+    n: Option<u64>,
+    /// Its turn of the fleet's schedule across processes, while it waits for it.
+    #[cfg(feature = "fleet-redis")]
+    remote: Option<self::redis::RemoteTurn>,
     /// Served, or given up: out of the line.
     done: bool,
     /// Polled once: the expected wait is judged as it joins.
@@ -494,10 +546,28 @@ impl Ticket {
     /// when its instant is later; behind others, when the bound comes. The ticket has then
     /// left the line.
     pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
+        #[cfg(feature = "fleet-redis")]
+        if let Some(remote) = &mut self.remote {
+            let outcome = std::task::ready!(remote.poll(cx));
+            self.remote = None;
+            match outcome {
+                self::redis::RemoteOutcome::Go(epoch) => {
+                    self.done = true;
+                    return Poll::Ready(Ok(epoch | self::redis::REMOTE_EPOCH));
+                }
+                self::redis::RemoteOutcome::TooFar(wait) => {
+                    let left = self.give_up_at.saturating_duration_since(Instant::now());
+                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
+                }
+                // Redis did not answer in time: the local line, at once.
+                self::redis::RemoteOutcome::Failed => {}
+            }
+        }
         let pacer = self.fleet.pacer().expect("tickets come from a pacer");
+        let n = *self.n.get_or_insert_with(|| pacer.ticket());
         loop {
             let joining = !std::mem::replace(&mut self.joined, true);
-            let turn = pacer.poll_turn(self.n, cx.waker());
+            let turn = pacer.poll_turn(n, cx.waker());
             let now = Instant::now();
             let left = self.give_up_at.saturating_duration_since(now);
             let wake_at = match turn {
@@ -541,7 +611,10 @@ impl Ticket {
         self.done = true;
         self.sleep = None;
         let pacer = self.fleet.pacer().expect("tickets come from a pacer");
-        let refused_total = pacer.refuse(self.n);
+        let refused_total = match self.n {
+            Some(n) => pacer.refuse(n),
+            None => pacer.count_refused(),
+        };
         let refused = PacingRefused {
             expected,
             left,
@@ -562,10 +635,8 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if !self.done {
-            if let Some(p) = self.fleet.pacer() {
-                p.abandon(self.n);
-            }
+        if let (false, Some(n), Some(p)) = (self.done, self.n, self.fleet.pacer()) {
+            p.abandon(n);
         }
     }
 }

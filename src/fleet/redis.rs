@@ -1,8 +1,8 @@
 //! The fleet state of one scope shared across processes through Redis (feature `fleet-redis`).
 //!
-//! Nothing on a request's path waits for Redis: the gate is read from a local copy, a first
-//! attempt is counted locally, and a retry spends a retry already granted to this process.
-//! One background task per fleet talks to Redis: it flushes the counts and renews the grant
+//! Nothing on a request's path waits for Redis but a pacing turn (one script, its
+//! admission): the gate is read from a local copy, a first attempt is counted locally, and a
+//! retry spends a retry already granted to this process. One background task per fleet talks to Redis: it flushes the counts and renews the grant
 //! (every 100 ms while requests flow), publishes closings of the gate, listens for those of
 //! the other processes, and polls the gate every second (the backstop when a message is
 //! lost). It ends when the last handle of the fleet is dropped.
@@ -20,14 +20,15 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::budget::{BudgetConfig, SharedBudget};
 use super::gate::Gate;
+use super::limit::Pacer;
 use crate::retry::ConfigError;
 
 /// Where a fleet keeps its state across processes: one scope (an upstream and a credential)
 /// in one Redis. Hand it to [`FleetBuilder::redis`](crate::fleet::FleetBuilder::redis).
 ///
 /// Every process that builds a fleet with the same Redis, prefix and scope shares one
-/// cooldown gate and one retry budget with the others; the in-process state stays the
-/// fallback. See [Across processes](crate::fleet#across-processes).
+/// cooldown gate, one retry budget and one pacing schedule with the others; the in-process
+/// state stays the fallback. See [Across processes](crate::fleet#across-processes).
 ///
 /// Defaults: prefix `llm-retry`, a 50 ms deadline on every Redis call, the gate polled every
 /// second, counts flushed every 100 ms, local state after 3 failed calls in a row, pub/sub on
@@ -140,10 +141,11 @@ impl RedisFleet {
     }
 
     /// The keys of this scope, all in one hash slot (`{scope}` is their hash tag): the gate,
-    /// the budget, the process list. And the channel closings are published on.
-    pub fn key_names(&self) -> [String; 4] {
+    /// the budget, the process list, the pacing schedule. And the channel closings are
+    /// published on.
+    pub fn key_names(&self) -> [String; 5] {
         let k = Keys::new(&self.prefix, &self.scope);
-        [k.gate, k.budget, k.procs, k.channel]
+        [k.gate, k.budget, k.procs, k.pace, k.channel]
     }
 }
 
@@ -195,6 +197,7 @@ struct Keys {
     gate: String,
     budget: String,
     procs: String,
+    pace: String,
     channel: String,
 }
 
@@ -205,6 +208,7 @@ impl Keys {
             gate: k("gate"),
             budget: k("budget"),
             procs: k("procs"),
+            pace: k("pace"),
             channel: k("gate-closed"),
         }
     }
@@ -229,7 +233,8 @@ return {now, cu, tonumber(cur[2]) or 0}
 ";
 
 /// Reads the gate and says this process is alive. Returns Redis's time, the gate's deadline
-/// and announced wait (0 when open), and the number of live processes.
+/// and announced wait (0 when open), the number of live processes and the pacing rate (an
+/// empty string when there is none yet).
 const POLL: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -239,7 +244,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - live)
 redis.call('PEXPIRE', KEYS[2], live * 2)
 local n = redis.call('ZCARD', KEYS[2])
 local g = redis.call('HMGET', KEYS[1], 'until', 'wait')
-return {now, tonumber(g[1]) or 0, tonumber(g[2]) or 0, n}
+local rate = redis.call('HGET', KEYS[3], 'rate')
+return {now, tonumber(g[1]) or 0, tonumber(g[2]) or 0, n, rate or ''}
 ";
 
 /// The fleet-wide budget: deposits and withdrawals counted in slots of Redis's clock over
@@ -285,6 +291,75 @@ return {grant, cur}
 /// The longest pause between two attempts to reach Redis again.
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
+/// Reserves the next slot of the fleet's pacing schedule (GCRA: one theoretical arrival time
+/// per scope), unless it is further off than the attempt may wait. The rate is learnt as in
+/// one process: while attempts queue it doubles every second until the first refusal (slow
+/// start), then grows by `growth` per success reported; a stated limit caps it. Returns
+/// whether the slot was booked, the wait for it (ms), the epoch and the rate.
+const RESERVE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local h = redis.call('HMGET', KEYS[1], 'tat', 'rate', 'epoch', 'ss', 'cap', 'last')
+local max = tonumber(ARGV[3])
+local cap = tonumber(h[5]) or max
+local ceiling = math.min(cap, max)
+local tat = tonumber(h[1]) or now
+local rate = tonumber(h[2]) or math.min(tonumber(ARGV[1]), ceiling)
+local epoch = tonumber(h[3]) or 0
+local ss = tonumber(h[4]) or 1
+local last = tonumber(h[6]) or now
+if tat > now then
+  if ss == 1 then
+    local dt = math.min(math.max(now - last, 0), 1000) / 1000
+    rate = math.min(rate * 2 ^ dt, ceiling)
+  else
+    rate = math.min(rate + tonumber(ARGV[4]) * tonumber(ARGV[5]), ceiling)
+  end
+end
+if tat < now then tat = now end
+local wait = tat - now
+local booked = 0
+if wait <= tonumber(ARGV[6]) then
+  booked = 1
+  tat = tat + 1000 / rate
+end
+redis.call('HSET', KEYS[1], 'tat', tat, 'rate', rate, 'epoch', epoch, 'ss', ss, 'cap', cap, 'last', now)
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return {booked, math.ceil(wait), epoch, tostring(rate)}
+";
+
+/// A refusal of an attempt sent in epoch `ARGV[1]`: the fleet's rate decreases once per
+/// epoch, whichever process saw it (by at most half the first time, which ends slow start).
+const REFUSE: &str = r"
+local h = redis.call('HMGET', KEYS[1], 'rate', 'epoch', 'ss', 'cap')
+local epoch = tonumber(h[2]) or 0
+local rate = tonumber(h[1]) or tonumber(ARGV[4])
+if tonumber(ARGV[1]) < epoch then return tostring(rate) end
+local f = tonumber(ARGV[2])
+if (tonumber(h[3]) or 1) == 1 then f = math.min(f, 0.5) end
+rate = math.max(rate * f, tonumber(ARGV[3]))
+local cap = tonumber(h[4])
+if cap then rate = math.min(rate, cap) end
+rate = math.min(rate, tonumber(ARGV[5]))
+redis.call('HSET', KEYS[1], 'rate', rate, 'epoch', epoch + 1, 'ss', 0)
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return tostring(rate)
+";
+
+/// A stated request limit: the cap of the fleet's rate.
+const LIMIT: &str = r"
+local cap = tonumber(ARGV[1])
+redis.call('HSET', KEYS[1], 'cap', cap)
+local rate = tonumber(redis.call('HGET', KEYS[1], 'rate'))
+if rate and rate > cap then redis.call('HSET', KEYS[1], 'rate', cap) end
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return tostring(math.min(rate or cap, cap))
+";
+
+/// Marks the epochs of the fleet's schedule, so that a refusal is reported to the schedule
+/// its attempt had its turn from.
+pub(crate) const REMOTE_EPOCH: u64 = 1 << 63;
+
 const CONNECTING: u8 = 0;
 const CONNECTED: u8 = 1;
 const LOCAL: u8 = 2;
@@ -312,6 +387,18 @@ struct Shared {
     process: u64,
     gate: Option<Arc<Gate>>,
     budget: Option<BudgetConfig>,
+    pacer: Option<Arc<Pacer>>,
+    /// The connection, once made: the pacing reserves its slots through it.
+    conn: OnceLock<ConnectionManager>,
+    reserve: redis::Script,
+    /// The fleet's pacing rate as last read (f64 bits; 0: not known).
+    rate: AtomicU64,
+    /// Successes to report with the next reservation; a refusal (the highest epoch) and a
+    /// stated limit (f64 bits of its rate) to report.
+    successes: AtomicU64,
+    refusal: Mutex<Option<u64>>,
+    stated: AtomicU64,
+    stated_pending: AtomicBool,
     mode: std::sync::atomic::AtomicU8,
     processes: AtomicU32,
     /// Retries granted to this process and not yet spent, and the slot they were counted in.
@@ -338,6 +425,7 @@ impl Link {
         store: RedisFleet,
         gate: Option<Arc<Gate>>,
         budget: Option<BudgetConfig>,
+        pacer: Option<Arc<Pacer>>,
     ) -> Self {
         let cancel = CancellationToken::new();
         let process = rand::random::<u64>();
@@ -351,6 +439,14 @@ impl Link {
             process,
             gate,
             budget,
+            pacer,
+            conn: OnceLock::new(),
+            reserve: redis::Script::new(RESERVE),
+            rate: AtomicU64::new(0),
+            successes: AtomicU64::new(0),
+            refusal: Mutex::new(None),
+            stated: AtomicU64::new(0),
+            stated_pending: AtomicBool::new(false),
             mode: std::sync::atomic::AtomicU8::new(CONNECTING),
             processes: AtomicU32::new(1),
             granted: AtomicU64::new(0),
@@ -461,6 +557,156 @@ impl Link {
     }
 }
 
+impl Link {
+    /// The fleet's pacing rate, while in touch and known.
+    pub(crate) fn pace(&self) -> Option<f64> {
+        let s = &self.shared;
+        if s.mode.load(Ordering::Acquire) != CONNECTED {
+            return None;
+        }
+        let bits = s.rate.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
+    }
+
+    /// Whether the fleet's pacing schedule is the one in use.
+    pub(crate) fn paces(&self) -> bool {
+        self.shared.pacer.is_some() && self.shared.mode.load(Ordering::Acquire) == CONNECTED
+    }
+
+    /// A turn of the fleet's schedule, for an attempt that may wait `max_wait` for it; `None`
+    /// when out of touch (the local line is used then).
+    pub(crate) fn reserve(&self, max_wait: Duration) -> Option<RemoteTurn> {
+        self.ensure_started();
+        let s = &self.shared;
+        let config = s.pacer.as_ref()?.config();
+        if s.mode.load(Ordering::Acquire) != CONNECTED {
+            return None;
+        }
+        let mut conn = s.conn.get()?.clone();
+        let shared = s.clone();
+        let successes = s.successes.swap(0, Ordering::AcqRel);
+        let (initial, max, growth) = (config.initial(), config.get_max(), config.get_growth());
+        let reserve = async move {
+            let mut inv = shared.reserve.prepare_invoke();
+            inv.key(&shared.keys.pace)
+                .arg(initial)
+                .arg(config.get_min())
+                .arg(max)
+                .arg(growth)
+                .arg(successes)
+                .arg(ms(max_wait));
+            let call = inv.invoke_async::<(i64, i64, i64, String)>(&mut conn);
+            match tokio::time::timeout(shared.call_timeout, call).await {
+                Ok(Ok((booked, wait_ms, epoch, rate))) => {
+                    if let Ok(rate) = rate.parse::<f64>() {
+                        shared.rate.store(rate.to_bits(), Ordering::Relaxed);
+                    }
+                    let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
+                    let epoch = u64::try_from(epoch).unwrap_or(0);
+                    Ok(if booked == 1 {
+                        Reserved::Go(wait, epoch)
+                    } else {
+                        Reserved::TooFar(wait)
+                    })
+                }
+                _ => {
+                    shared.successes.fetch_add(successes, Ordering::AcqRel);
+                    // Let the task find out whether Redis is still there.
+                    shared.wake.notify_one();
+                    Err(())
+                }
+            }
+        };
+        Some(RemoteTurn {
+            reserve: Some(sync_wrapper::SyncWrapper::new(Box::pin(reserve))),
+            sleep: None,
+        })
+    }
+
+    /// An attempt that had a turn of the fleet's schedule succeeded: reported with the next
+    /// reservation, at no round trip of its own.
+    pub(crate) fn paced_success(&self) {
+        self.shared.successes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An attempt that had a turn of the fleet's schedule in `epoch` was refused for load.
+    pub(crate) fn paced_refusal(&self, epoch: u64) {
+        let s = &self.shared;
+        let mut refusal = s.refusal.lock().unwrap_or_else(PoisonError::into_inner);
+        if refusal.is_none_or(|e| epoch > e) {
+            *refusal = Some(epoch);
+        }
+        drop(refusal);
+        s.wake.notify_one();
+    }
+
+    /// A response stated the request limit: `cap` requests a second.
+    pub(crate) fn stated_limit(&self, cap: f64) {
+        let s = &self.shared;
+        if s.stated.swap(cap.to_bits(), Ordering::AcqRel) != cap.to_bits() {
+            s.stated_pending.store(true, Ordering::Release);
+            s.wake.notify_one();
+        }
+    }
+}
+
+type ReserveFuture = sync_wrapper::SyncWrapper<
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reserved, ()>> + Send>>,
+>;
+
+enum Reserved {
+    Go(Duration, u64),
+    TooFar(Duration),
+}
+
+/// An attempt's turn of the fleet's pacing schedule: the reservation, then a local sleep
+/// until its slot.
+pub(crate) struct RemoteTurn {
+    reserve: Option<ReserveFuture>,
+    sleep: Option<(std::pin::Pin<Box<tokio::time::Sleep>>, u64)>,
+}
+
+/// How a turn of the fleet's schedule ended.
+pub(crate) enum RemoteOutcome {
+    /// The slot came: go, in this epoch.
+    Go(u64),
+    /// The slot would come this far off, later than the attempt may wait: nothing booked.
+    TooFar(Duration),
+    /// Redis did not answer in time: take a turn of the local line instead.
+    Failed,
+}
+
+impl RemoteTurn {
+    pub(crate) fn poll(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<RemoteOutcome> {
+        use std::future::Future;
+        use std::task::Poll;
+        if let Some(reserve) = &mut self.reserve {
+            let reserved = std::task::ready!(reserve.get_mut().as_mut().poll(cx));
+            self.reserve = None;
+            match reserved {
+                Ok(Reserved::Go(wait, epoch)) if wait.is_zero() => {
+                    return Poll::Ready(RemoteOutcome::Go(epoch));
+                }
+                Ok(Reserved::Go(wait, epoch)) => {
+                    self.sleep = Some((Box::pin(tokio::time::sleep(wait)), epoch));
+                }
+                Ok(Reserved::TooFar(wait)) => return Poll::Ready(RemoteOutcome::TooFar(wait)),
+                Err(()) => return Poll::Ready(RemoteOutcome::Failed),
+            }
+        }
+        match &mut self.sleep {
+            Some((sleep, epoch)) => {
+                std::task::ready!(sleep.as_mut().poll(cx));
+                Poll::Ready(RemoteOutcome::Go(*epoch))
+            }
+            None => Poll::Ready(RemoteOutcome::Failed),
+        }
+    }
+}
+
 impl fmt::Debug for Link {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLink")
@@ -505,6 +751,11 @@ impl Shared {
                 );
             }
             LOCAL => {
+                // The pacing goes on locally at this process's share of the fleet's rate.
+                let rate = self.rate.load(Ordering::Relaxed);
+                if let (Some(pacer), true) = (&self.pacer, rate != 0) {
+                    pacer.set_rate(f64::from_bits(rate) / f64::from(processes.max(1)));
+                }
                 // The grant is spent by those still using it, then the divided budget.
                 let divided = self.budget.map(|c| divide(c, processes).build());
                 *self.divided.lock().unwrap_or_else(PoisonError::into_inner) =
@@ -535,6 +786,8 @@ struct Task {
     close: redis::Script,
     poll: redis::Script,
     budget: redis::Script,
+    refuse: redis::Script,
+    limit: redis::Script,
     failures: u32,
     /// When to try Redis again while out of touch, and the backoff.
     retry_at: Instant,
@@ -557,6 +810,8 @@ async fn run(shared: Arc<Shared>, source: Source) {
         close: redis::Script::new(CLOSE),
         poll: redis::Script::new(POLL),
         budget: redis::Script::new(BUDGET),
+        refuse: redis::Script::new(REFUSE),
+        limit: redis::Script::new(LIMIT),
         failures: 0,
         retry_at: now,
         backoff: Duration::from_millis(100),
@@ -659,6 +914,9 @@ impl Task {
                 .set_max_delay(Duration::from_secs(1));
             self.conn = ConnectionManager::new_lazy_with_config(client, config).ok();
         }
+        if let Some(conn) = &self.conn {
+            let _ = self.shared.conn.set(conn.clone());
+        }
         self.conn.clone()
     }
 
@@ -727,6 +985,42 @@ impl Task {
                         *close = Some((until, announced));
                     }
                     s.close_pending.store(true, Ordering::Release);
+                    return Err(());
+                }
+            }
+        }
+        // The pacing: a refusal, a stated limit.
+        let refusal = s
+            .refusal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let (Some(epoch), Some(pacer)) = (refusal, &s.pacer) {
+            let c = pacer.config();
+            let mut inv = self.refuse.prepare_invoke();
+            inv.key(&s.keys.pace)
+                .arg(epoch)
+                .arg(c.get_decrease())
+                .arg(c.get_min())
+                .arg(c.initial())
+                .arg(c.get_max());
+            let rate: String = self.call(inv, conn).await?;
+            if let Ok(rate) = rate.parse::<f64>() {
+                s.rate.store(rate.to_bits(), Ordering::Relaxed);
+            }
+        }
+        if s.stated_pending.swap(false, Ordering::AcqRel) {
+            let cap = f64::from_bits(s.stated.load(Ordering::Acquire));
+            let mut inv = self.limit.prepare_invoke();
+            inv.key(&s.keys.pace).arg(cap);
+            match self.call::<String>(inv, conn).await {
+                Ok(rate) => {
+                    if let Ok(rate) = rate.parse::<f64>() {
+                        s.rate.store(rate.to_bits(), Ordering::Relaxed);
+                    }
+                }
+                Err(()) => {
+                    s.stated_pending.store(true, Ordering::Release);
                     return Err(());
                 }
             }
@@ -807,9 +1101,14 @@ impl Task {
         let mut inv = self.poll.prepare_invoke();
         inv.key(&s.keys.gate)
             .key(&s.keys.procs)
+            .key(&s.keys.pace)
             .arg(s.process)
             .arg(ms(s.poll_interval * 3));
-        let (now_ms, until_ms, wait_ms, n): (i64, i64, i64, i64) = self.call(inv, conn).await?;
+        let (now_ms, until_ms, wait_ms, n, rate): (i64, i64, i64, i64, String) =
+            self.call(inv, conn).await?;
+        if let Ok(rate) = rate.parse::<f64>() {
+            s.rate.store(rate.to_bits(), Ordering::Relaxed);
+        }
         s.processes.store(
             u32::try_from(n.max(1)).unwrap_or(u32::MAX),
             Ordering::Relaxed,

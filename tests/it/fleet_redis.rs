@@ -435,3 +435,224 @@ async fn the_background_task_ends_when_the_fleet_is_dropped() {
     let gone = within(Duration::from_secs(1), || clients() == 1).await;
     assert!(gone.is_some(), "{} clients left", clients());
 }
+
+#[tokio::test]
+async fn the_shared_pace_keeps_the_sum_of_the_fleets_under_the_stated_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // 1,200 a minute: 20 a second for the fleet, however many processes it has.
+    let server = MockServer::start(Script::always(
+        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
+    ))
+    .await
+    .unwrap();
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|_| {
+            Fleet::builder()
+                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // One answer states the limit; then 3 × 12 requests at once.
+    let res = stacks[0]
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The cap reaches the fleet's schedule, and every fleet reads it there (by its poll).
+    let cap = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace() == Some(20.0))
+    });
+    assert!(
+        cap.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for svc in &stacks {
+        for _ in 0..12 {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        }
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+    let mut at: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    at.sort();
+    assert_eq!(at.len(), 36);
+    // 50 ms apart, whichever fleet sent them: 36 take 1.75 s (three fleets pacing on their
+    // own would have sent them in 0.55 s); no 500 ms holds more than 11.
+    let span = *at.last().unwrap() - at[0];
+    assert!(span >= Duration::from_millis(1_650), "{span:?}");
+    for (i, t) in at.iter().enumerate() {
+        let in_window = at[i..]
+            .iter()
+            .take_while(|u| **u < *t + Duration::from_millis(500))
+            .count();
+        assert!(
+            in_window <= 11,
+            "{in_window} within 500 ms from {t:?}: {at:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_seen_by_every_fleet_in_one_round_slows_the_fleet_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("0"))
+            .then(Reply::rate_limited("0"))
+            .then(Reply::rate_limited("0")),
+    )
+    .await
+    .unwrap();
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(10.0, 1.0, 10.0)
+        .unwrap()
+        .decrease(0.5)
+        .unwrap();
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|_| {
+            Fleet::builder()
+                .pacing(Some(pacing))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for f in &fleets {
+        let svc = stack(f, policy());
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+    }
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.extensions().get::<RetryTrail>().unwrap().retries(), 1);
+    }
+    // Three refusals of attempts sent in one round: one decrease, 10 → 5 a second (one per
+    // process would have left 1.25), plus what the successes added since.
+    let learnt = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace().is_some_and(|p| p < 6.0))
+    });
+    assert!(
+        learnt.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    for f in &fleets {
+        let pace = f.pace().unwrap();
+        assert!((5.0..5.5).contains(&pace), "{pace}");
+    }
+}
+
+/// Run by the multi-process test, in a child process of its own: sends `FLEET_CHILD_N`
+/// requests at once to the mock at `FLEET_CHILD_MOCK`, its fleet sharing the Redis at
+/// `FLEET_CHILD_REDIS`, and checks that each succeeded.
+#[tokio::test]
+#[ignore = "a child process of the multi-process test"]
+async fn pacing_child() {
+    let redis = std::env::var("FLEET_CHILD_REDIS").expect("run by the multi-process test");
+    let mock = std::env::var("FLEET_CHILD_MOCK").unwrap();
+    let n: usize = std::env::var("FLEET_CHILD_N").unwrap().parse().unwrap();
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(
+            RedisFleet::from_url(&redis)
+                .unwrap()
+                .scope("127.0.0.1", b"test-key"),
+        )
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let svc = svc.clone();
+        let req = anthropic_request(&mock, BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn separate_processes_sharing_one_redis_keep_together_under_the_stated_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::always(
+        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
+    ))
+    .await
+    .unwrap();
+    // This process states the limit to the fleet's schedule first.
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    stack(&fleet, policy())
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(
+        within(Duration::from_millis(500), || fleet.pace() == Some(20.0))
+            .await
+            .is_some()
+    );
+    let start = Instant::now();
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "fleet_redis::pacing_child",
+                    "--exact",
+                    "--include-ignored",
+                    "--test-threads=1",
+                ])
+                .env("FLEET_CHILD_REDIS", redis.url())
+                .env("FLEET_CHILD_MOCK", server.url("/v1/messages"))
+                .env("FLEET_CHILD_N", "12")
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .status()
+        })
+        .collect();
+    for status in futures_util::future::join_all(children).await {
+        assert!(status.unwrap().success());
+    }
+    let mut at: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    at.sort();
+    assert_eq!(at.len(), 36);
+    // The mock's count of requests in any 500 ms stays within the limit (10, and one for the
+    // window's edge), across the three processes.
+    for (i, t) in at.iter().enumerate() {
+        let in_window = at[i..]
+            .iter()
+            .take_while(|u| **u < *t + Duration::from_millis(500))
+            .count();
+        assert!(
+            in_window <= 11,
+            "{in_window} within 500 ms from {t:?}: {at:?}"
+        );
+    }
+}
