@@ -186,7 +186,31 @@ struct FleetState {
     /// The state across processes, when the fleet has a Redis store.
     #[cfg(feature = "fleet-redis")]
     redis: Option<self::redis::Link>,
+    /// Per scope: the states of each upstream and credential, made on first use.
+    scopes: Option<Scopes>,
+    /// The scope this state is of, when it is one.
+    scope: Option<ScopeName>,
 }
+
+/// The states of a fleet kept per scope.
+struct Scopes {
+    template: FleetBuilder,
+    hasher: std::collections::hash_map::RandomState,
+    map: std::sync::Mutex<std::collections::HashMap<u64, Fleet>>,
+}
+
+/// What names a scope: its upstream, and a hash of the credential (never the credential).
+#[derive(Debug, Clone)]
+struct ScopeName {
+    upstream: String,
+    id: String,
+}
+
+/// The most scopes a fleet keeps apart; requests of scopes beyond share the fleet's own state.
+const MAX_SCOPES: usize = 4096;
+
+/// The request headers that carry an API credential.
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
 
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
 #[derive(Debug, Clone)]
@@ -195,6 +219,7 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
+    per_scope: bool,
     #[cfg(feature = "fleet-redis")]
     redis: Option<RedisFleet>,
 }
@@ -233,9 +258,36 @@ impl FleetBuilder {
         self
     }
 
+    /// Keeps a state of its own (budget, gate, pacing, and, with a Redis store, its Redis
+    /// scope) for each scope of the requests: their upstream (the authority of the request's
+    /// URI) and credential (the value of `authorization`, `x-api-key`, `api-key` or
+    /// `x-goog-api-key`, hashed, never kept). One fleet may then front several keys and
+    /// upstreams without one key's `429` holding the others. A credential set by an inner
+    /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
+    /// upstream. The read-outs of the fleet itself are those of requests with no upstream;
+    /// [`Fleet::scopes`] and [`Fleet::scope_for`] reach the others. A scope set on the Redis
+    /// store with [`RedisFleet::scope`] applies to every scope. Defaults to false: one state
+    /// for every request.
+    pub fn per_scope(mut self, yes: bool) -> Self {
+        self.per_scope = yes;
+        self
+    }
+
     /// The fleet, its state new. With a Redis store, its background task starts on the
     /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
+        let scopes = self.per_scope.then(|| Scopes {
+            template: FleetBuilder {
+                per_scope: false,
+                ..self.clone()
+            },
+            hasher: std::collections::hash_map::RandomState::new(),
+            map: std::sync::Mutex::new(std::collections::HashMap::new()),
+        });
+        self.build_state(scopes, None)
+    }
+
+    fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {
         let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
         let pacer = self.pacing.map(|p| Arc::new(Pacer::new(p)));
         Fleet {
@@ -247,6 +299,8 @@ impl FleetBuilder {
                 }),
                 gate,
                 pacer,
+                scopes,
+                scope,
             }),
         }
     }
@@ -258,6 +312,7 @@ impl Default for FleetBuilder {
             budget: Some(BudgetConfig::default()),
             gate: None,
             pacing: None,
+            per_scope: false,
             #[cfg(feature = "fleet-redis")]
             redis: None,
         }
@@ -341,6 +396,73 @@ impl Fleet {
     /// wait, when pacing is on.
     pub fn pacing_refused(&self) -> Option<u64> {
         self.inner.pacer.as_ref().map(|p| p.refused())
+    }
+
+    /// The handle on the state that a request like `req` uses: its scope's, when the fleet
+    /// keeps one per scope ([`FleetBuilder::per_scope`]), made now if it was not yet; the
+    /// fleet itself otherwise.
+    pub fn scope_for<B>(&self, req: &http::Request<B>) -> Fleet {
+        self.for_request(req.uri(), req.headers())
+            .unwrap_or_else(|| self.clone())
+    }
+
+    /// The scopes made so far, when the fleet keeps one per scope.
+    pub fn scopes(&self) -> Vec<Fleet> {
+        match &self.inner.scopes {
+            Some(s) => s.lock().values().cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The upstream of the scope this handle is of, when it is one.
+    pub fn scope_upstream(&self) -> Option<&str> {
+        self.inner.scope.as_ref().map(|s| s.upstream.as_str())
+    }
+
+    /// The id of the scope this handle is of, when it is one: a hash of its upstream and
+    /// credential (the name of its state in Redis, with a store).
+    pub fn scope_id(&self) -> Option<&str> {
+        self.inner.scope.as_ref().map(|s| s.id.as_str())
+    }
+
+    /// The state of a request to `uri` with `headers`: its scope's when the fleet keeps one
+    /// per scope, `None` when the fleet's own.
+    pub(crate) fn for_request(&self, uri: &http::Uri, headers: &http::HeaderMap) -> Option<Fleet> {
+        let scopes = self.inner.scopes.as_ref()?;
+        let upstream = uri.authority()?.as_str();
+        let credential = CREDENTIAL_HEADERS
+            .iter()
+            .find_map(|h| headers.get(*h))
+            .map_or(&b""[..], |v| v.as_bytes());
+        let key = {
+            use std::hash::BuildHasher;
+            scopes.hasher.hash_one((upstream, credential))
+        };
+        let mut map = scopes.lock();
+        if let Some(f) = map.get(&key) {
+            return Some(f.clone());
+        }
+        if map.len() >= MAX_SCOPES {
+            return None;
+        }
+        let id = scope_id(upstream, credential);
+        #[allow(unused_mut)]
+        let mut template = scopes.template.clone();
+        #[cfg(feature = "fleet-redis")]
+        {
+            template.redis = template
+                .redis
+                .map(|r| r.default_scope(upstream, credential));
+        }
+        let fleet = template.build_state(
+            None,
+            Some(ScopeName {
+                upstream: upstream.to_owned(),
+                id,
+            }),
+        );
+        map.insert(key, fleet.clone());
+        Some(fleet)
     }
 
     /// The state of the link to Redis, when the fleet has a Redis store.
@@ -510,7 +632,40 @@ impl std::fmt::Debug for Fleet {
             .field("pacer", &s.pacer);
         #[cfg(feature = "fleet-redis")]
         d.field("redis", &s.redis);
+        if let Some(scope) = &s.scope {
+            d.field("scope", scope);
+        }
+        if let Some(scopes) = &s.scopes {
+            d.field("scopes", &scopes.lock().len());
+        }
         d.finish()
+    }
+}
+
+impl Scopes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Fleet>> {
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The hex hash naming a scope: the credential never leaves the process.
+fn scope_id(upstream: &str, credential: &[u8]) -> String {
+    #[cfg(feature = "fleet-redis")]
+    {
+        self::redis::scope_hash(upstream, credential)
+    }
+    #[cfg(not(feature = "fleet-redis"))]
+    {
+        // Within one process: a keyed hash, not kept anywhere else.
+        use std::hash::BuildHasher;
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        let h = KEY
+            .get_or_init(Default::default)
+            .hash_one((upstream, credential));
+        format!("{h:016x}")
     }
 }
 

@@ -38,6 +38,8 @@ pub struct RedisFleet {
     source: Source,
     prefix: String,
     scope: String,
+    /// The scope was set: per-scope fleets keep it instead of their own.
+    scope_set: bool,
     call_timeout: Duration,
     poll_interval: Duration,
     flush_interval: Duration,
@@ -81,6 +83,7 @@ impl RedisFleet {
             source,
             prefix: "llm-retry".to_owned(),
             scope: scope_hash("", b""),
+            scope_set: false,
             call_timeout: Duration::from_millis(50),
             poll_interval: Duration::from_secs(1),
             flush_interval: Duration::from_millis(100),
@@ -94,6 +97,15 @@ impl RedisFleet {
     /// Defaults to one scope for everything in this Redis and prefix.
     pub fn scope(mut self, upstream: &str, credential: &[u8]) -> Self {
         self.scope = scope_hash(upstream, credential);
+        self.scope_set = true;
+        self
+    }
+
+    /// The store of a scope of a per-scope fleet: its own scope, unless one was set.
+    pub(crate) fn default_scope(mut self, upstream: &str, credential: &[u8]) -> Self {
+        if !self.scope_set {
+            self.scope = scope_hash(upstream, credential);
+        }
         self
     }
 
@@ -182,7 +194,7 @@ pub enum RedisState {
 }
 
 /// The hex hash naming a scope: the credential never leaves the process.
-fn scope_hash(upstream: &str, credential: &[u8]) -> String {
+pub(crate) fn scope_hash(upstream: &str, credential: &[u8]) -> String {
     let mut h = sha1_smol::Sha1::new();
     h.update(b"tower-llm-retry fleet scope\0");
     h.update(upstream.as_bytes());
@@ -599,7 +611,7 @@ impl Link {
             match tokio::time::timeout(shared.call_timeout, call).await {
                 Ok(Ok((booked, wait_ms, epoch, rate))) => {
                     if let Ok(rate) = rate.parse::<f64>() {
-                        shared.rate.store(rate.to_bits(), Ordering::Relaxed);
+                        shared.learnt_rate(rate);
                     }
                     let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
                     let epoch = u64::try_from(epoch).unwrap_or(0);
@@ -725,6 +737,20 @@ fn ms(d: Duration) -> u64 {
 const MAX_REMOTE_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 
 impl Shared {
+    /// The fleet's pacing rate, as read from Redis. The local line keeps to this process's
+    /// share of it, for the turns it gives when a reservation misses its deadline.
+    fn learnt_rate(&self, rate: f64) {
+        if !(rate.is_finite() && rate > 0.0) {
+            return;
+        }
+        if self.rate.swap(rate.to_bits(), Ordering::Relaxed) != rate.to_bits() {
+            if let Some(pacer) = &self.pacer {
+                let n = self.processes.load(Ordering::Relaxed).max(1);
+                pacer.set_rate(rate / f64::from(n));
+            }
+        }
+    }
+
     /// Closes the local gate for `remaining` from now, spread as for `announced`.
     fn close_local(&self, remaining: Duration, announced: Duration) {
         if let Some(gate) = &self.gate {
@@ -822,31 +848,39 @@ async fn run(shared: Arc<Shared>, source: Source) {
     let mut messages: Option<redis::aio::PubSubStream> = None;
     let mut resubscribe_at = now;
     loop {
-        let now = Instant::now();
-        // Pub/sub: subscribed once in touch; again after the stream ends.
-        if messages.is_none() && shared.subscribe && now >= resubscribe_at {
-            if let Some(client) = &task.client {
-                messages = subscribe(client, &shared).await;
-                if messages.is_none() {
-                    resubscribe_at = now + task.backoff.max(Duration::from_millis(100));
-                }
-            }
+        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
+        let unsubscribed = messages.is_none() && shared.subscribe && in_touch;
+        let mut wake_at = task.next_wake();
+        if unsubscribed {
+            wake_at = wake_at.min(resubscribe_at);
         }
-        let wake_at = task.next_wake();
         tokio::select! {
             biased;
             () = shared.cancel.cancelled() => return,
             msg = next_message(&mut messages) => match msg {
                 Some(msg) => on_message(&shared, &msg),
-                None => {
-                    messages = None;
-                    resubscribe_at = Instant::now() + Duration::from_millis(100);
-                }
+                // The connection went: subscribe again once in touch.
+                None => messages = None,
             },
             () = shared.wake.notified() => {}
             () = tokio::time::sleep_until(wake_at) => {}
         }
+        let was_in_touch = in_touch;
         task.round().await;
+        // Pub/sub: subscribed once in touch (at once when touch comes back), again after the
+        // stream ends. A message missed meanwhile is made up for by the poll.
+        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
+        if in_touch && !was_in_touch {
+            resubscribe_at = Instant::now();
+        }
+        if messages.is_none() && shared.subscribe && in_touch && Instant::now() >= resubscribe_at {
+            if let Some(client) = &task.client {
+                messages = subscribe(client, &shared).await;
+                if messages.is_none() {
+                    resubscribe_at = Instant::now() + Duration::from_millis(500);
+                }
+            }
+        }
     }
 }
 
@@ -1006,7 +1040,7 @@ impl Task {
                 .arg(c.get_max());
             let rate: String = self.call(inv, conn).await?;
             if let Ok(rate) = rate.parse::<f64>() {
-                s.rate.store(rate.to_bits(), Ordering::Relaxed);
+                s.learnt_rate(rate);
             }
         }
         if s.stated_pending.swap(false, Ordering::AcqRel) {
@@ -1016,7 +1050,7 @@ impl Task {
             match self.call::<String>(inv, conn).await {
                 Ok(rate) => {
                     if let Ok(rate) = rate.parse::<f64>() {
-                        s.rate.store(rate.to_bits(), Ordering::Relaxed);
+                        s.learnt_rate(rate);
                     }
                 }
                 Err(()) => {
@@ -1107,7 +1141,7 @@ impl Task {
         let (now_ms, until_ms, wait_ms, n, rate): (i64, i64, i64, i64, String) =
             self.call(inv, conn).await?;
         if let Ok(rate) = rate.parse::<f64>() {
-            s.rate.store(rate.to_bits(), Ordering::Relaxed);
+            s.learnt_rate(rate);
         }
         s.processes.store(
             u32::try_from(n.max(1)).unwrap_or(u32::MAX),

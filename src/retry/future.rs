@@ -22,7 +22,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
-use crate::fleet::{GateWait, PastDeadline, Ticket};
+use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::stream::{
     CommitReason, OutputTruncated, ScanError, SseVerdict, StreamCommitted, StreamScan,
 };
@@ -196,6 +196,8 @@ struct Ctx<S, C> {
     gate_passed: bool,
     // Fleet: the pacing epoch of the attempt about to start or in flight, once it has its turn.
     paced: Option<u64>,
+    // Fleet: the state of this request's scope, when the fleet keeps one per scope.
+    scoped: Option<Fleet>,
 }
 
 /// What the loop does after judging an attempt.
@@ -251,6 +253,7 @@ where
             );
         }
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
+        let scoped = config.fleet.for_request(&parts.uri, &parts.headers);
         let started = Instant::now();
         let deadline = policy_override
             .as_ref()
@@ -276,6 +279,7 @@ where
             model: None,
             gate_passed: false,
             paced: None,
+            scoped,
         };
         let state = State::Buffering {
             prepare: PrepareBody::new(body, ctx.config.body_limit),
@@ -416,9 +420,7 @@ where
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
                             let c = ctx.config.classifier.classify_response(&head, None);
-                            ctx.config
-                                .fleet
-                                .observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                             ctx.pacing_feedback(&c);
                             this.state.set(State::Done);
                             let body = RetryBody::plain(body, ctx.policy().get_idle_timeout());
@@ -447,9 +449,7 @@ where
                             let c = ctx.config.classifier.classify_response(&head, None);
                             // Fleet: a Retry-After or exhausted rate-limit headers may close
                             // the gate.
-                            ctx.config
-                                .fleet
-                                .observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                             match ctx.judge(&c, Some(head.status), None, false, &span) {
                                 Verdict::Retry(delay) => {
                                     drop(body);
@@ -555,9 +555,7 @@ where
                         }
                     };
                     // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
-                    ctx.config
-                        .fleet
-                        .observe(&head, c.retry_after(), ctx.policy());
+                    ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                     let verdict =
                         ctx.judge(&c, status, error.as_deref().map(|e| e as _), false, &span);
                     match verdict {
@@ -831,19 +829,24 @@ where
         }
     }
 
+    /// Fleet: the state this request shares, its scope's or the layer's.
+    fn fleet(&self) -> &Fleet {
+        self.scoped.as_ref().unwrap_or(&self.config.fleet)
+    }
+
     /// Fleet: tells the pacing how the attempt that had a turn ended.
     fn pacing_feedback(&mut self, c: &Classification) {
         let Some(epoch) = self.paced.take() else {
             return;
         };
         if c.is_success() {
-            self.config.fleet.paced_success();
+            self.fleet().paced_success();
         } else if matches!(
             c.class(),
             Some(FailureClass::RateLimited | FailureClass::Overloaded)
         ) {
             // A refusal for load slows the pacing.
-            self.config.fleet.paced_refusal(epoch, c.retry_after());
+            self.fleet().paced_refusal(epoch, c.retry_after());
         }
     }
 
@@ -891,7 +894,7 @@ where
         self.sent += 1;
         // Fleet: first attempts pay into the shared retry budget.
         if self.attempt == 0 {
-            self.config.fleet.deposit();
+            self.fleet().deposit();
         }
         self.gate_passed = false;
         let last = self.one_shot || self.attempt >= self.policy().get_max_retries();
@@ -1024,7 +1027,7 @@ where
             // what `Instant` can hold is past any deadline.
             let now = Instant::now();
             let after_sleep = now.checked_add(delay);
-            let after_gate = self.config.fleet.gate_closed_until().map(|until| {
+            let after_gate = self.fleet().gate_closed_until().map(|until| {
                 now.checked_add(policy.get_retry_after_max())
                     .map_or(until, |cap| until.min(cap))
             });
@@ -1033,7 +1036,7 @@ where
             }
         }
         // Fleet: the shared retry budget has the last word.
-        if !self.config.fleet.withdraw() {
+        if !self.fleet().withdraw() {
             return Err(GiveUpReason::Budget);
         }
         Ok(delay)
@@ -1059,13 +1062,10 @@ where
         if self.paced.is_some() {
             return Ok(None);
         }
-        let Some(ticket) = self.config.fleet.ticket(self.policy(), self.deadline) else {
+        let Some(ticket) = self.fleet().ticket(self.policy(), self.deadline) else {
             return Ok(None);
         };
-        tracing::trace!(
-            rate = self.config.fleet.pacing_rate(),
-            "joining the pacing line"
-        );
+        tracing::trace!(rate = self.fleet().pacing_rate(), "joining the pacing line");
         Ok(Some(State::Pacing {
             ticket,
             watch: self.watch(),
@@ -1077,7 +1077,7 @@ where
         if self.gate_passed {
             return Ok(None);
         }
-        GateWait::start(&self.config.fleet, self.policy(), self.deadline)
+        GateWait::start(self.fleet(), self.policy(), self.deadline)
             .map_err(|PastDeadline| Stop::Deadline)
     }
 
