@@ -603,21 +603,37 @@ impl Fleet {
         };
         let ceiling = policy.get_retry_after_max();
         let status = head.status.as_u16();
+        let h = &head.headers;
+        // Absolute times from the server are read against the server's own clock, its
+        // `Date`, where it sent one: the host's clock skew then does not move the deadline.
+        // (A wall clock set on the gate config, for tests, is used instead.)
+        let server_now = if gate.config.has_wall_clock() {
+            None
+        } else {
+            h.get(http::header::DATE)
+                .and_then(|d| d.to_str().ok())
+                .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+        };
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
             || status == crate::classify::STATUS_OVERLOADED
         {
+            let retry_after = match server_now {
+                Some(now) if retry_after_is_a_date(h) => {
+                    crate::classify::headers::parse_retry_after(h, now)
+                }
+                _ => retry_after,
+            };
             if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
                 self.close_gate(gate, wait.min(ceiling));
             }
         }
-        if gate.config.reads_rate_limit_headers() {
-            let h = &head.headers;
-            if h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
-                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING)
-            {
-                if let Some(wait) = ratelimit::requests_exhausted_for(h, gate.config.now()) {
-                    self.close_gate(gate, wait.min(ceiling));
-                }
+        if gate.config.reads_rate_limit_headers()
+            && (h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
+                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING))
+        {
+            let now = server_now.unwrap_or_else(|| gate.config.now());
+            if let Some(wait) = ratelimit::requests_exhausted_for(h, now) {
+                self.close_gate(gate, wait.min(ceiling));
             }
         }
     }
@@ -640,6 +656,17 @@ impl std::fmt::Debug for Fleet {
         }
         d.finish()
     }
+}
+
+/// Whether the wait a response asks for is an HTTP-date (`retry-after` with no
+/// `retry-after-ms` before it, and not a number of seconds).
+fn retry_after_is_a_date(h: &http::HeaderMap) -> bool {
+    if h.contains_key(crate::classify::headers::RETRY_AFTER_MS) {
+        return false;
+    }
+    h.get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| httpdate::parse_http_date(v.trim()).is_ok())
 }
 
 impl Scopes {

@@ -1556,3 +1556,44 @@ async fn a_fleet_not_kept_per_scope_holds_every_key() {
     assert!(fleet.scope_for(&keyed(&url, "sk-ant-key-b")).ptr_eq(&fleet));
     first.await.unwrap().unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() {
+    // The server's clock says 2020-09-13T12:26:40Z; the host's says otherwise by years.
+    let date = UNIX_EPOCH + Duration::from_secs(1_600_000_000);
+    let http_date = |t| httpdate::fmt_http_date(t);
+    let server = MockServer::start(
+        Script::new()
+            .then(
+                Reply::status(429)
+                    .header("date", &http_date(date))
+                    .header("retry-after", &http_date(date + Duration::from_secs(7))),
+            )
+            .then(
+                Reply::success()
+                    .header("date", &http_date(date))
+                    .header("anthropic-ratelimit-requests-remaining", "0")
+                    .header("anthropic-ratelimit-requests-reset", "2020-09-13T12:26:45Z"),
+            ),
+    )
+    .await
+    .unwrap();
+    for (n, wait) in [(0, 7), (1, 5)] {
+        let fleet = Fleet::builder()
+            .cooldown_gate(Some(GateConfig::new()))
+            .build();
+        let svc = RetryLayer::new()
+            .policy(no_jitter().max_retries(0))
+            .fleet(fleet.clone())
+            .layer(http_client());
+        svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        let received = server.requests()[n].received_at;
+        assert_eq!(
+            fleet.gate_closed_until(),
+            Some(received + Duration::from_secs(wait)),
+            "reply {n}"
+        );
+    }
+}
