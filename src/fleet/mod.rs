@@ -196,7 +196,7 @@ struct FleetState {
 struct Scopes {
     template: FleetBuilder,
     hasher: std::collections::hash_map::RandomState,
-    map: std::sync::Mutex<std::collections::HashMap<u64, Fleet>>,
+    map: std::sync::RwLock<std::collections::HashMap<u64, Fleet>>,
 }
 
 /// What names a scope: its upstream, and a hash of the credential (never the credential).
@@ -282,7 +282,7 @@ impl FleetBuilder {
                 ..self.clone()
             },
             hasher: std::collections::hash_map::RandomState::new(),
-            map: std::sync::Mutex::new(std::collections::HashMap::new()),
+            map: std::sync::RwLock::new(std::collections::HashMap::new()),
         });
         self.build_state(scopes, None)
     }
@@ -409,7 +409,7 @@ impl Fleet {
     /// The scopes made so far, when the fleet keeps one per scope.
     pub fn scopes(&self) -> Vec<Fleet> {
         match &self.inner.scopes {
-            Some(s) => s.lock().values().cloned().collect(),
+            Some(s) => s.read().values().cloned().collect(),
             None => Vec::new(),
         }
     }
@@ -438,7 +438,10 @@ impl Fleet {
             use std::hash::BuildHasher;
             scopes.hasher.hash_one((upstream, credential))
         };
-        let mut map = scopes.lock();
+        if let Some(f) = scopes.read().get(&key) {
+            return Some(f.clone());
+        }
+        let mut map = scopes.write();
         if let Some(f) = map.get(&key) {
             return Some(f.clone());
         }
@@ -652,7 +655,7 @@ impl std::fmt::Debug for Fleet {
             d.field("scope", scope);
         }
         if let Some(scopes) = &s.scopes {
-            d.field("scopes", &scopes.lock().len());
+            d.field("scopes", &scopes.read().len());
         }
         d.finish()
     }
@@ -670,9 +673,15 @@ fn retry_after_is_a_date(h: &http::HeaderMap) -> bool {
 }
 
 impl Scopes {
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Fleet>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, std::collections::HashMap<u64, Fleet>> {
         self.map
-            .lock()
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, std::collections::HashMap<u64, Fleet>> {
+        self.map
+            .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }

@@ -423,6 +423,8 @@ struct Shared {
     demand: AtomicU64,
     /// A retry found no grant: flush at once.
     urgent: AtomicBool,
+    /// A reservation missed its deadline: ask Redis at once whether it is there.
+    probe: AtomicBool,
     /// Out of touch: the budget divided by the number of processes last known.
     divided: Mutex<Option<Arc<SharedBudget>>>,
     /// A closing seen here, not yet sent: the deadline and the announced wait.
@@ -467,6 +469,7 @@ impl Link {
             deposits: AtomicU64::new(0),
             demand: AtomicU64::new(0),
             urgent: AtomicBool::new(false),
+            probe: AtomicBool::new(false),
             divided: Mutex::new(None),
             close: Mutex::new(None),
             close_pending: AtomicBool::new(false),
@@ -624,6 +627,7 @@ impl Link {
                 _ => {
                     shared.successes.fetch_add(successes, Ordering::AcqRel);
                     // Let the task find out whether Redis is still there.
+                    shared.probe.store(true, Ordering::Release);
                     shared.wake.notify_one();
                     Err(())
                 }
@@ -967,7 +971,9 @@ impl Task {
         let result = self.exchange(&mut conn, connected, now).await;
         let s = self.shared.clone();
         match result {
-            Ok(()) => {
+            // A round with nothing due says nothing of Redis.
+            Ok(false) => {}
+            Ok(true) => {
                 self.failures = 0;
                 self.backoff = Duration::from_millis(100);
                 if s.mode.load(Ordering::Acquire) != CONNECTED {
@@ -997,14 +1003,16 @@ impl Task {
         }
     }
 
-    /// The calls due this round; `Err` when one failed or missed its deadline.
+    /// The calls due this round: `Ok(true)` when some were made, `Err` when one failed or
+    /// missed its deadline.
     async fn exchange(
         &mut self,
         conn: &mut ConnectionManager,
         connected: bool,
         now: Instant,
-    ) -> Result<(), ()> {
+    ) -> Result<bool, ()> {
         let s = self.shared.clone();
+        let mut called = false;
         if s.close_pending.swap(false, Ordering::AcqRel) {
             let pending = s
                 .close
@@ -1012,6 +1020,7 @@ impl Task {
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
             if let Some((until, announced)) = pending {
+                called = true;
                 if let Err(()) = self.send_close(conn, until, announced).await {
                     // Sent again next round, unless a later closing replaces it.
                     let mut close = s.close.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1038,6 +1047,7 @@ impl Task {
                 .arg(c.get_min())
                 .arg(c.initial())
                 .arg(c.get_max());
+            called = true;
             let rate: String = self.call(inv, conn).await?;
             if let Ok(rate) = rate.parse::<f64>() {
                 s.learnt_rate(rate);
@@ -1047,6 +1057,7 @@ impl Task {
             let cap = f64::from_bits(s.stated.load(Ordering::Acquire));
             let mut inv = self.limit.prepare_invoke();
             inv.key(&s.keys.pace).arg(cap);
+            called = true;
             match self.call::<String>(inv, conn).await {
                 Ok(rate) => {
                     if let Ok(rate) = rate.parse::<f64>() {
@@ -1060,7 +1071,9 @@ impl Task {
             }
         }
         // Out of touch, the poll is the probe.
-        if !connected || now >= self.next_poll {
+        let probe = s.probe.swap(false, Ordering::AcqRel);
+        if !connected || now >= self.next_poll || probe {
+            called = true;
             self.poll_gate(conn).await?;
             self.next_poll = Instant::now() + s.poll_interval;
         }
@@ -1071,10 +1084,11 @@ impl Task {
             let stale = now.duration_since(self.last_flush) >= self.refresh_every();
             let urgent = s.urgent.swap(false, Ordering::AcqRel);
             if (active && now >= self.next_flush) || stale || urgent || !connected {
+                called = true;
                 self.flush(conn).await?;
             }
         }
-        Ok(())
+        Ok(called)
     }
 
     /// How long a grant may be held unspent: it is counted in one slot of the window, and

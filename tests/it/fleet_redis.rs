@@ -728,3 +728,40 @@ fn assert_within_limit(at: &[Duration]) {
         assert!(in_window <= 24, "{in_window} within 1 s from {t:?}: {at:?}");
     }
 }
+
+#[tokio::test]
+async fn a_pacing_turn_waits_no_longer_than_one_redis_deadline_when_redis_freezes() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    // A rate no request reaches: a turn is its admission alone.
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(1_000.0, 1.0, 1_000.0)
+        .unwrap();
+    let fleet = Fleet::builder()
+        .pacing(Some(pacing))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let stacks = [stack(&fleet, policy())];
+    assert!(steady(&stacks, &server, Duration::from_millis(100)).await < Duration::from_millis(20));
+    let before = server.request_count();
+    redis.command(&["CLIENT", "PAUSE", "800", "ALL"]);
+    // Each reservation Redis does not answer within its 50 ms falls back to the local line,
+    // until the fleet stops asking Redis.
+    let slowest = steady(&stacks, &server, Duration::from_millis(600)).await;
+    assert!(slowest < Duration::from_millis(90), "{slowest:?}");
+    let sent = server.request_count() - before;
+    assert!(
+        sent > 10,
+        "{sent} sent, slowest {slowest:?}, {:?}",
+        fleet.redis_state()
+    );
+    assert!(matches!(
+        fleet.redis_state(),
+        Some(RedisState::Local { .. })
+    ));
+    let back = within(Duration::from_secs(3), || connected(&fleet)).await;
+    assert!(back.is_some(), "{:?}", fleet.redis_state());
+}
