@@ -109,7 +109,7 @@
 //! | `http2` (default) | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]) |
 //! | `mock` | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS |
 //! | `reqwest` | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
-//! | `fleet-redis` | `fleet::RedisFleet`: the fleet's gate and budget shared across processes through Redis |
+//! | `fleet-redis` | `fleet::RedisFleet`: the fleet's gate, budget and pacing shared across processes through Redis |
 //! | `reqwest-middleware` | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` |
 //!
 //! # Where it plugs in
@@ -164,6 +164,8 @@ pub use crate::error::{
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
 pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
+#[cfg(feature = "fleet-redis")]
+pub use crate::fleet::{RedisFleet, RedisState};
 pub use crate::mcp::{McpGate, McpGateLayer};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,

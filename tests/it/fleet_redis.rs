@@ -79,12 +79,21 @@ async fn one_429_seen_by_one_fleet_holds_the_first_attempts_of_all_and_releases_
     let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
         .await
         .unwrap();
-    // The third fleet does not subscribe: it learns of the closing from its poll.
+    // The third fleet is given a connection manager, which cannot subscribe: it learns of
+    // the closing from its poll.
+    let manager = redis::aio::ConnectionManager::new(redis::Client::open(redis.url()).unwrap())
+        .await
+        .unwrap();
     let fleets: Vec<Fleet> = (0..3)
         .map(|i| {
+            let store = if i == 2 {
+                RedisFleet::from_manager(manager.clone()).scope("127.0.0.1", b"test-key")
+            } else {
+                store(&redis)
+            };
             Fleet::builder()
                 .cooldown_gate(Some(gate()))
-                .redis(store(&redis).subscribe(i != 2))
+                .redis(store)
                 .build()
         })
         .collect();
