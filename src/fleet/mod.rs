@@ -497,7 +497,7 @@ impl Fleet {
             .inner
             .redis
             .as_ref()
-            .and_then(|l| l.reserve(give_up_at - now));
+            .and_then(|l| l.reserve(give_up_at.saturating_duration_since(now)));
         #[cfg(feature = "fleet-redis")]
         let n = remote.is_none().then(|| pacer.ticket());
         #[cfg(not(feature = "fleet-redis"))]

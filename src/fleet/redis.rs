@@ -510,10 +510,14 @@ impl Link {
         }
     }
 
-    /// A first attempt: counted for the next flush.
+    /// A first attempt: counted for the next flush. Out of touch, it is counted by the
+    /// divided local budget only: a backlog flushed on return would credit the fleet's window
+    /// with first attempts made before it.
     pub(crate) fn deposit(&self) {
         self.ensure_started();
-        self.shared.deposits.fetch_add(1, Ordering::Relaxed);
+        if self.shared.mode.load(Ordering::Acquire) != LOCAL {
+            self.shared.deposits.fetch_add(1, Ordering::Relaxed);
+        }
         if let Some(divided) = self.divided() {
             divided.deposit();
         }
@@ -786,6 +790,9 @@ impl Shared {
                 if let (Some(pacer), true) = (&self.pacer, rate != 0) {
                     pacer.set_rate(f64::from_bits(rate) / f64::from(processes.max(1)));
                 }
+                // Unflushed first attempts are dropped (see `Link::deposit`): the fleet's
+                // window is undercounted, never overcounted.
+                self.deposits.store(0, Ordering::Relaxed);
                 // The grant is spent by those still using it, then the divided budget.
                 let divided = self.budget.map(|c| divide(c, processes).build());
                 *self.divided.lock().unwrap_or_else(PoisonError::into_inner) =
