@@ -264,10 +264,11 @@ impl FleetBuilder {
     /// `x-goog-api-key`, hashed, never kept). One fleet may then front several keys and
     /// upstreams without one key's `429` holding the others. A credential set by an inner
     /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
-    /// upstream. The read-outs of the fleet itself are those of requests with no upstream;
-    /// [`Fleet::scopes`] and [`Fleet::scope_for`] reach the others. A scope set on the Redis
-    /// store with [`RedisFleet::scope`] applies to every scope. Defaults to false: one state
-    /// for every request.
+    /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
+    /// beyond 4,096 scopes), whose state stays in the process; [`Fleet::scopes`] and
+    /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
+    /// [`RedisFleet::scope`] applies to every scope. Defaults to false: one state for every
+    /// request.
     pub fn per_scope(mut self, yes: bool) -> Self {
         self.per_scope = yes;
         self
@@ -284,7 +285,14 @@ impl FleetBuilder {
             hasher: std::collections::hash_map::RandomState::new(),
             map: std::sync::RwLock::new(std::collections::HashMap::new()),
         });
-        self.build_state(scopes, None)
+        #[allow(unused_mut)]
+        let mut root = self;
+        // The fleet's own state, of the requests that have no scope, stays in the process.
+        #[cfg(feature = "fleet-redis")]
+        if scopes.is_some() {
+            root.redis = None;
+        }
+        root.build_state(scopes, None)
     }
 
     fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {

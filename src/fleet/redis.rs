@@ -49,7 +49,9 @@ pub struct RedisFleet {
 
 #[derive(Clone)]
 enum Source {
-    Client(redis::Client),
+    /// A client, and the one connection manager the fleets of this store (the scopes of a
+    /// per-scope fleet) make from it and share.
+    Client(redis::Client, Arc<Mutex<Option<ConnectionManager>>>),
     Manager(ConnectionManager),
 }
 
@@ -66,7 +68,7 @@ impl RedisFleet {
     /// A fleet store through `client`: one managed connection for the scripts, one for
     /// pub/sub.
     pub fn from_client(client: redis::Client) -> Self {
-        Self::with_source(Source::Client(client))
+        Self::with_source(Source::Client(client, Arc::default()))
     }
 
     /// A fleet store through a connection manager of the caller's. A connection manager
@@ -143,7 +145,7 @@ impl RedisFleet {
     /// Without, they are learnt from the poll. Defaults to true (false from
     /// [`from_manager`](RedisFleet::from_manager)).
     pub fn subscribe(mut self, on: bool) -> Self {
-        self.subscribe = on && matches!(self.source, Source::Client(_));
+        self.subscribe = on && matches!(self.source, Source::Client(..));
         self
     }
 
@@ -818,7 +820,7 @@ fn divide(config: BudgetConfig, processes: u32) -> BudgetConfig {
 /// What the background task holds between rounds.
 struct Task {
     shared: Arc<Shared>,
-    client: Option<redis::Client>,
+    client: Option<(redis::Client, Arc<Mutex<Option<ConnectionManager>>>)>,
     conn: Option<ConnectionManager>,
     close: redis::Script,
     poll: redis::Script,
@@ -836,7 +838,7 @@ struct Task {
 
 async fn run(shared: Arc<Shared>, source: Source) {
     let (client, conn) = match source {
-        Source::Client(c) => (Some(c), None),
+        Source::Client(c, cell) => (Some((c, cell)), None),
         Source::Manager(m) => (None, Some(m)),
     };
     let now = Instant::now();
@@ -885,7 +887,7 @@ async fn run(shared: Arc<Shared>, source: Source) {
             resubscribe_at = Instant::now();
         }
         if messages.is_none() && shared.subscribe && in_touch && Instant::now() >= resubscribe_at {
-            if let Some(client) = &task.client {
+            if let Some((client, _)) = &task.client {
                 messages = subscribe(client, &shared).await;
                 if messages.is_none() {
                     resubscribe_at = Instant::now() + Duration::from_millis(500);
@@ -949,15 +951,19 @@ impl Task {
 
     fn connection(&mut self) -> Option<ConnectionManager> {
         if self.conn.is_none() {
-            let client = self.client.clone()?;
-            let t = self.shared.call_timeout;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(t))
-                .set_response_timeout(Some(t))
-                .set_number_of_retries(1)
-                .set_min_delay(Duration::from_millis(50))
-                .set_max_delay(Duration::from_secs(1));
-            self.conn = ConnectionManager::new_lazy_with_config(client, config).ok();
+            let (client, cell) = self.client.clone()?;
+            let mut cell = cell.lock().unwrap_or_else(PoisonError::into_inner);
+            if cell.is_none() {
+                let t = self.shared.call_timeout;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(t))
+                    .set_response_timeout(Some(t))
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(50))
+                    .set_max_delay(Duration::from_secs(1));
+                *cell = ConnectionManager::new_lazy_with_config(client, config).ok();
+            }
+            self.conn = cell.clone();
         }
         if let Some(conn) = &self.conn {
             let _ = self.shared.conn.set(conn.clone());

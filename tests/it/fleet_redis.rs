@@ -711,6 +711,14 @@ async fn fleets_kept_per_scope_share_each_scope_across_processes_and_only_it() {
     });
     assert!(learnt.await.is_some());
     assert_eq!(b.gate_closed_until(), None);
+    // The scopes of a fleet share one connection for their scripts; each subscribes on one
+    // of its own: 2 + 3, and the one asking.
+    let clients = match redis.command(&["CLIENT", "LIST"]) {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).lines().count(),
+        redis::Value::VerbatimString { text, .. } => text.lines().count(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(clients, 6);
     // Only hashes reach Redis.
     let keys = match redis.command(&["KEYS", "*"]) {
         redis::Value::Array(keys) => keys,
