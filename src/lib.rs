@@ -166,6 +166,7 @@
 //! | `hyper-util` | yes | hyper-util's legacy client errors raised while connecting count as "never sent" ([`classify::request_not_sent`]), so even a `NotReplaySafe` request is retried after them; already in the tree of hyper-util and reqwest users |
 //! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
 //! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
+//! | `fleet-redis` | no | [`fleet::RedisFleet`]: the fleet's gate, budget and pacing shared across processes through Redis (pulls in `redis`) |
 //! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
 //!
 //! # Where it plugs in
@@ -224,6 +225,9 @@ pub use crate::fallback::{
     TargetAttempts, TargetStatus,
 };
 pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
+#[cfg(feature = "fleet-redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fleet-redis")))]
+pub use crate::fleet::{RedisFleet, RedisState};
 pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired,

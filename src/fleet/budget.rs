@@ -130,9 +130,14 @@ impl SharedBudget {
 
     pub(crate) fn withdraw(&self) -> bool {
         let ok = self.inner.withdraw();
-        let counter = if ok { &self.retries } else { &self.refused };
-        counter.fetch_add(1, Ordering::Relaxed);
+        self.count(ok);
         ok
+    }
+
+    /// Counts a retry paid for (or refused) by another budget in this one's stats.
+    pub(crate) fn count(&self, paid: bool) {
+        let counter = if paid { &self.retries } else { &self.refused };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn stats(&self) -> BudgetStats {

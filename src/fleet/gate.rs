@@ -28,8 +28,13 @@ use crate::retry::{ConfigError, Random, RetryPolicy};
 /// `retry_after_max` plus that extra, and the layer's cancellation token ends the wait at
 /// once. The random extra comes from the policy's [`Random`], so tests can fix it.
 ///
+/// Absolute instants the server sends (a `Retry-After` HTTP-date, an RFC 3339 reset) are
+/// read against the response's `Date` where it has one, so the host's clock skew does not
+/// move the deadline; against the system clock (or the [`wall_clock`](GateConfig::wall_clock)
+/// set) otherwise.
+///
 /// Defaults: spread 50 % of the announced wait, at most 30 s; rate-limit headers read; the
-/// system clock for their RFC 3339 reset instants.
+/// system clock for RFC 3339 reset instants when the response has no `Date`.
 #[derive(Clone)]
 pub struct GateConfig {
     spread_fraction: f64,
@@ -86,8 +91,9 @@ impl GateConfig {
         self
     }
 
-    /// The wall clock against which RFC 3339 reset instants are read, so tests can fix "now".
-    /// Defaults to the system clock.
+    /// The wall clock against which RFC 3339 reset instants and `Retry-After` HTTP-dates are
+    /// read, instead of the response's `Date`, so tests can fix "now". Defaults to none: the
+    /// response's `Date`, or the system clock when it has none.
     pub fn wall_clock(mut self, clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
         self.clock = Some(Arc::new(clock));
         self
@@ -95,6 +101,10 @@ impl GateConfig {
 
     pub(crate) fn reads_rate_limit_headers(&self) -> bool {
         self.rate_limit_headers
+    }
+
+    pub(crate) fn has_wall_clock(&self) -> bool {
+        self.clock.is_some()
     }
 
     pub(crate) fn now(&self) -> SystemTime {
@@ -142,6 +152,7 @@ pub(crate) struct Gate {
 struct Closed {
     until: Instant,
     spread: Duration,
+    announced: Duration,
 }
 
 impl Gate {
@@ -152,15 +163,28 @@ impl Gate {
             closed: Mutex::new(Closed {
                 until: Instant::now(),
                 spread: Duration::ZERO,
+                announced: Duration::ZERO,
             }),
             closings: AtomicU64::new(0),
         }
     }
 
-    /// Closes the gate for `wait` from `now`, unless it already stays closed longer.
-    pub(crate) fn close(&self, now: Instant, wait: Duration) {
+    /// Closes the gate for `wait` from `now`, unless it already stays closed longer; returns
+    /// the new deadline when it moved.
+    pub(crate) fn close(&self, now: Instant, wait: Duration) -> Option<Instant> {
+        self.close_spread(now, wait, wait)
+    }
+
+    /// Closes the gate for `wait` from `now`, its waiters spread as for a wait `announced`
+    /// (a closing learnt from another process, part of whose wait is over already).
+    pub(crate) fn close_spread(
+        &self,
+        now: Instant,
+        wait: Duration,
+        announced: Duration,
+    ) -> Option<Instant> {
         if wait.is_zero() {
-            return;
+            return None;
         }
         // A wait past what any request is held is held that long: a huge Retry-After still
         // closes the gate.
@@ -170,11 +194,20 @@ impl Gate {
         if until > closed.until {
             *closed = Closed {
                 until,
-                spread: self.config.spread_for(wait),
+                spread: self.config.spread_for(announced.max(wait)),
+                announced: announced.max(wait),
             };
             self.maybe_closed.store(true, Ordering::Release);
             self.closings.fetch_add(1, Ordering::Relaxed);
+            return Some(until);
         }
+        None
+    }
+
+    /// The wait the closing in force was announced with, while closed.
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn announced(&self) -> Option<Duration> {
+        self.closed_at(Instant::now()).map(|c| c.announced)
     }
 
     pub(crate) fn closings(&self) -> u64 {

@@ -188,6 +188,32 @@ impl PacingConfig {
     pub fn get_limit_period(&self) -> Option<Duration> {
         self.limit_period
     }
+
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn get_min(&self) -> f64 {
+        self.min
+    }
+
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn get_max(&self) -> f64 {
+        self.max
+    }
+
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn get_growth(&self) -> f64 {
+        self.growth
+    }
+
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn get_decrease(&self) -> f64 {
+        self.decrease
+    }
+
+    /// The rate cap a stated limit of `limit` requests sets, if stated limits are read.
+    pub(crate) fn cap_for(&self, limit: u64) -> Option<f64> {
+        let period = self.limit_period?;
+        Some((limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.max))
+    }
 }
 
 struct State {
@@ -599,7 +625,25 @@ impl Pacer {
     /// the line; returns how many have given up so, in all.
     pub(crate) fn refuse(&self, ticket: u64) -> u64 {
         self.abandon(ticket);
+        self.count_refused()
+    }
+
+    /// Counts an attempt that gave up on a turn of a schedule kept elsewhere (the fleet's,
+    /// across processes); returns how many have given up so, in all.
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn count_refused(&self) -> u64 {
         self.refused.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Sets the rate (within the configured bounds and any stated limit), out of slow start:
+    /// the share of the fleet's rate this process keeps to when it loses touch with the
+    /// others.
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    pub(crate) fn set_rate(&self, rate: f64) {
+        let mut s = self.lock();
+        let ceiling = s.ceiling(&self.config);
+        s.rate = rate.clamp(MIN_RATE, self.config.max).min(ceiling);
+        s.slow_start = false;
     }
 
     /// A success. The rate grows only while someone is waiting in line (a fleet that sends
@@ -673,7 +717,7 @@ impl Pacer {
 
     /// A response stated the request limit: `limit` per the configured period.
     pub(crate) fn on_limit(&self, limit: u64) {
-        let Some(period) = self.config.limit_period else {
+        let Some(cap) = self.config.cap_for(limit) else {
             return;
         };
         // The rate never grows past the stated cap, so the same limit again changes nothing:
@@ -684,7 +728,6 @@ impl Pacer {
         #[cfg(test)]
         tests::before_limit_lock();
         // Not clamped to `min`: a key allowed fewer requests than that is paced at its limit.
-        let cap = (limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.config.max);
         let mut s = self.lock();
         // The record of the last limit and the cap in force change together, under the lock:
         // were the record swapped before it, two limits arriving together could leave the

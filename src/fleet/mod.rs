@@ -80,6 +80,64 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Across processes
+//!
+//! With the `fleet-redis` feature, a fleet given a [`RedisFleet`]
+//! ([`FleetBuilder::redis`]) shares its cooldown gate and its retry budget with every
+//! process whose fleet names the same scope (an upstream and a hash of a credential) in the
+//! same Redis. Nothing on a request's path waits for Redis:
+//!
+//! - **Gate**: a closing is one script on Redis's own clock that only ever extends the
+//!   deadline, and publishes it. Each process holds the gate locally and learns of closings
+//!   from its own answers, from the message, and from a poll every second (the backstop).
+//!   The spread of the release stays local.
+//! - **Budget**: the window of `TpsBudget`, fleet-wide: retries in it stay within
+//!   `min_per_sec × ttl + retry_ratio × first attempts` summed over every process. First
+//!   attempts are counted locally and flushed every 100 ms; each process holds a small
+//!   grant of retries from the fleet's balance (renewed with the flush), so a retry spends
+//!   one without a round trip, and a retry the grant cannot pay for is refused.
+//! - **When Redis fails**: every call has a deadline (50 ms); after three failures in a row
+//!   the fleet keeps to its local state, the budget's reserve divided by the number of
+//!   processes last known, reconnects in the background, logs once per change of state,
+//!   and on return hands Redis the gate deadline it learnt meanwhile (Redis keeps the later).
+//!   Keys or scripts that were lost come back with the next call.
+//!
+//! - **Pacing**: one shared GCRA schedule per scope: an attempt reserves the next slot (one
+//!   script, its admission), then sleeps locally for it. The rate is learnt as in one
+//!   process (slow start while attempts queue, `growth` per success, `decrease` per
+//!   refusal) but in Redis, so a refusal decreases it once per fleet, not once per process;
+//!   successes are reported with the next reservation, at no round trip of their own; a
+//!   stated limit caps it. A reservation Redis does not answer within its deadline takes a
+//!   turn of the local line instead; out of touch, the local line keeps to this process's
+//!   share of the fleet's rate. (The quota reading of a long `Retry-After` stays local.)
+//!
+//! [`Fleet::redis_state`] says whether the fleet is in touch.
+//!
+//! Keys (one hash tag per scope, so the scripts stay legal on Redis Cluster):
+//! `{prefix}:{{scope}}:gate` (a hash: deadline and announced wait, on Redis's clock),
+//! `…:budget` (a hash of deposit and withdrawal counts per slot of the window),
+//! `…:procs` (a sorted set of live processes), `…:pace` (a hash: the schedule's next slot,
+//! rate, epoch); closings are published on `…:gate-closed`.
+//!
+#![cfg_attr(
+    feature = "fleet-redis",
+    doc = r#"```no_run
+use tower_llm_retry::fleet::{Fleet, GateConfig, RedisFleet};
+use tower_llm_retry::RetryLayer;
+
+# fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+let store = RedisFleet::from_url("redis://127.0.0.1:6379/")?
+    .scope("api.anthropic.com", b"the API key");
+let fleet = Fleet::builder()
+    .cooldown_gate(Some(GateConfig::new()))
+    .redis(store)
+    .build();
+let layer = RetryLayer::new().fleet(fleet);
+# let _ = layer;
+# Ok(()) }
+```"#
+)]
+//!
 //! # Why the gate and the pacing are opt-in
 //!
 //! One gate, and one pace, hold every request of their fleet. That is right when the fleet's
@@ -108,6 +166,8 @@ mod budget;
 mod gate;
 mod limit;
 mod ratelimit;
+#[cfg(feature = "fleet-redis")]
+mod redis;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -123,6 +183,8 @@ pub use self::gate::GateConfig;
 pub(crate) use self::gate::{GateWait, PastDeadline};
 pub use self::limit::PacingConfig;
 use self::limit::Turn;
+#[cfg(feature = "fleet-redis")]
+pub use self::redis::{RedisFleet, RedisState};
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
@@ -151,9 +213,36 @@ pub struct Fleet {
 /// What the handles of one fleet share.
 struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
-    gate: Option<Gate>,
-    pacer: Option<Pacer>,
+    gate: Option<Arc<Gate>>,
+    pacer: Option<Arc<Pacer>>,
+    /// The state across processes, when the fleet has a Redis store.
+    #[cfg(feature = "fleet-redis")]
+    redis: Option<self::redis::Link>,
+    /// Per scope: the states of each upstream and credential, made on first use.
+    scopes: Option<Scopes>,
+    /// The scope this state is of, when it is one.
+    scope: Option<ScopeName>,
 }
+
+/// The states of a fleet kept per scope.
+struct Scopes {
+    template: FleetBuilder,
+    hasher: std::collections::hash_map::RandomState,
+    map: std::sync::RwLock<std::collections::HashMap<u64, Fleet>>,
+}
+
+/// What names a scope: its upstream, and a hash of the credential (never the credential).
+#[derive(Debug, Clone)]
+struct ScopeName {
+    upstream: String,
+    id: String,
+}
+
+/// The most scopes a fleet keeps apart; requests of scopes beyond share the fleet's own state.
+const MAX_SCOPES: usize = 4096;
+
+/// The request headers that carry an API credential.
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
 
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
 #[derive(Debug, Clone)]
@@ -162,6 +251,9 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
+    per_scope: bool,
+    #[cfg(feature = "fleet-redis")]
+    redis: Option<RedisFleet>,
 }
 
 impl FleetBuilder {
@@ -189,13 +281,66 @@ impl FleetBuilder {
         self
     }
 
-    /// The fleet, its state new.
+    /// Shares the budget and the gate with every process whose fleet has the same Redis
+    /// store and scope; see [Across processes](crate::fleet#across-processes). The
+    /// in-process state stays the fallback. Defaults to none: the state is this process's.
+    #[cfg(feature = "fleet-redis")]
+    pub fn redis(mut self, store: RedisFleet) -> Self {
+        self.redis = Some(store);
+        self
+    }
+
+    /// Keeps a state of its own (budget, gate, pacing, and, with a Redis store, its Redis
+    /// scope) for each scope of the requests: their upstream (the authority of the request's
+    /// URI) and credential (the value of `authorization`, `x-api-key`, `api-key` or
+    /// `x-goog-api-key`, hashed, never kept). One fleet may then front several keys and
+    /// upstreams without one key's `429` holding the others. A credential set by an inner
+    /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
+    /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
+    /// beyond 4,096 scopes), whose state stays in the process; [`Fleet::scopes`] and
+    /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
+    /// [`RedisFleet::scope`] applies to every scope. Defaults to false: one state for every
+    /// request.
+    pub fn per_scope(mut self, yes: bool) -> Self {
+        self.per_scope = yes;
+        self
+    }
+
+    /// The fleet, its state new. With a Redis store, its background task starts on the
+    /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
+        let scopes = self.per_scope.then(|| Scopes {
+            template: FleetBuilder {
+                per_scope: false,
+                ..self.clone()
+            },
+            hasher: std::collections::hash_map::RandomState::new(),
+            map: std::sync::RwLock::new(std::collections::HashMap::new()),
+        });
+        #[allow(unused_mut)]
+        let mut root = self;
+        // The fleet's own state, of the requests that have no scope, stays in the process.
+        #[cfg(feature = "fleet-redis")]
+        if scopes.is_some() {
+            root.redis = None;
+        }
+        root.build_state(scopes, None)
+    }
+
+    fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {
+        let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
+        let pacer = self.pacing.map(|p| Arc::new(Pacer::new(p)));
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
-                gate: self.gate.map(Gate::new),
-                pacer: self.pacing.map(Pacer::new),
+                #[cfg(feature = "fleet-redis")]
+                redis: self.redis.map(|store| {
+                    self::redis::Link::new(store, gate.clone(), self.budget, pacer.clone())
+                }),
+                gate,
+                pacer,
+                scopes,
+                scope,
             }),
         }
     }
@@ -207,6 +352,9 @@ impl Default for FleetBuilder {
             budget: Some(BudgetConfig::default()),
             gate: None,
             pacing: None,
+            per_scope: false,
+            #[cfg(feature = "fleet-redis")]
+            redis: None,
         }
     }
 }
@@ -273,9 +421,15 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.config())
     }
 
-    /// The current pacing rate, in requests per second, when pacing is on.
+    /// The current pacing rate, in requests per second, when pacing is on: the fleet's,
+    /// across processes, while a Redis store is in touch.
     pub fn pace(&self) -> Option<f64> {
-        self.inner.pacer.as_ref().map(|p| p.rate())
+        let pacer = self.inner.pacer.as_ref()?;
+        #[cfg(feature = "fleet-redis")]
+        if let Some(rate) = self.inner.redis.as_ref().and_then(|l| l.pace()) {
+            return Some(rate);
+        }
+        Some(pacer.rate())
     }
 
     /// How many attempts gave up because their pacing turn would come later than they may
@@ -284,12 +438,88 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.refused())
     }
 
+    /// The handle on the state that a request like `req` uses: its scope's, when the fleet
+    /// keeps one per scope ([`FleetBuilder::per_scope`]), made now if it was not yet; the
+    /// fleet itself otherwise.
+    pub fn scope_for<B>(&self, req: &http::Request<B>) -> Fleet {
+        self.for_request(req.uri(), req.headers())
+            .unwrap_or_else(|| self.clone())
+    }
+
+    /// The scopes made so far, when the fleet keeps one per scope.
+    pub fn scopes(&self) -> Vec<Fleet> {
+        match &self.inner.scopes {
+            Some(s) => s.read().values().cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The upstream of the scope this handle is of, when it is one.
+    pub fn scope_upstream(&self) -> Option<&str> {
+        self.inner.scope.as_ref().map(|s| s.upstream.as_str())
+    }
+
+    /// The id of the scope this handle is of, when it is one: a hash of its upstream and
+    /// credential (the name of its state in Redis, with a store).
+    pub fn scope_id(&self) -> Option<&str> {
+        self.inner.scope.as_ref().map(|s| s.id.as_str())
+    }
+
+    /// The state of a request to `uri` with `headers`: its scope's when the fleet keeps one
+    /// per scope, `None` when the fleet's own.
+    pub(crate) fn for_request(&self, uri: &http::Uri, headers: &http::HeaderMap) -> Option<Fleet> {
+        let scopes = self.inner.scopes.as_ref()?;
+        let upstream = uri.authority()?.as_str();
+        let credential = CREDENTIAL_HEADERS
+            .iter()
+            .find_map(|h| headers.get(*h))
+            .map_or(&b""[..], |v| v.as_bytes());
+        let key = {
+            use std::hash::BuildHasher;
+            scopes.hasher.hash_one((upstream, credential))
+        };
+        if let Some(f) = scopes.read().get(&key) {
+            return Some(f.clone());
+        }
+        let mut map = scopes.write();
+        if let Some(f) = map.get(&key) {
+            return Some(f.clone());
+        }
+        if map.len() >= MAX_SCOPES {
+            return None;
+        }
+        let id = scope_id(upstream, credential);
+        #[allow(unused_mut)]
+        let mut template = scopes.template.clone();
+        #[cfg(feature = "fleet-redis")]
+        {
+            template.redis = template
+                .redis
+                .map(|r| r.default_scope(upstream, credential));
+        }
+        let fleet = template.build_state(
+            None,
+            Some(ScopeName {
+                upstream: upstream.to_owned(),
+                id,
+            }),
+        );
+        map.insert(key, fleet.clone());
+        Some(fleet)
+    }
+
+    /// The state of the link to Redis, when the fleet has a Redis store.
+    #[cfg(feature = "fleet-redis")]
+    pub fn redis_state(&self) -> Option<RedisState> {
+        self.inner.redis.as_ref().map(|l| l.state())
+    }
+
     fn gate(&self) -> Option<&Gate> {
-        self.inner.gate.as_ref()
+        self.inner.gate.as_deref()
     }
 
     fn pacer(&self) -> Option<&Pacer> {
-        self.inner.pacer.as_ref()
+        self.inner.pacer.as_deref()
     }
 
     /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
@@ -300,13 +530,27 @@ impl Fleet {
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
         let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
+        let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
+        // Across processes, a turn of the fleet's schedule; the local line otherwise.
+        #[cfg(feature = "fleet-redis")]
+        let remote = self
+            .inner
+            .redis
+            .as_ref()
+            .and_then(|l| l.reserve(give_up_at.saturating_duration_since(now)));
+        #[cfg(feature = "fleet-redis")]
+        let n = remote.is_none().then(|| pacer.ticket());
+        #[cfg(not(feature = "fleet-redis"))]
+        let n = Some(pacer.ticket());
         Some(Ticket {
             fleet: self.clone(),
-            n: pacer.ticket(),
+            n,
+            #[cfg(feature = "fleet-redis")]
+            remote,
             done: false,
             joined: false,
             since: now,
-            give_up_at: deadline.map_or(ceiling, |d| d.min(ceiling)),
+            give_up_at,
             by_deadline: deadline.is_some_and(|d| d <= ceiling),
             sleep: None,
         })
@@ -317,8 +561,13 @@ impl Fleet {
         self.pace()
     }
 
-    /// An attempt sent in `epoch` succeeded.
+    /// An attempt that had a pacing turn succeeded.
     pub(crate) fn paced_success(&self) {
+        #[cfg(feature = "fleet-redis")]
+        if let Some(link) = self.inner.redis.as_ref().filter(|l| l.paces()) {
+            link.paced_success();
+            return;
+        }
         if let Some(p) = self.pacer() {
             p.on_success();
         }
@@ -326,6 +575,13 @@ impl Fleet {
 
     /// An attempt sent in `epoch` was refused for load.
     pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
+        #[cfg(feature = "fleet-redis")]
+        if epoch & self::redis::REMOTE_EPOCH != 0 {
+            if let Some(link) = &self.inner.redis {
+                link.paced_refusal(epoch & !self::redis::REMOTE_EPOCH);
+            }
+            return;
+        }
         if let Some(p) = self.pacer() {
             p.on_refusal(epoch, retry_after);
         }
@@ -335,12 +591,34 @@ impl Fleet {
     pub(crate) fn deposit(&self) {
         if let Some((_, budget)) = &self.inner.budget {
             budget.deposit();
+            #[cfg(feature = "fleet-redis")]
+            if let Some(link) = &self.inner.redis {
+                link.deposit();
+            }
         }
     }
 
     /// A retry is planned: may it be made?
     pub(crate) fn withdraw(&self) -> bool {
-        self.inner.budget.as_ref().is_none_or(|(_, b)| b.withdraw())
+        let Some((_, budget)) = &self.inner.budget else {
+            return true;
+        };
+        #[cfg(feature = "fleet-redis")]
+        if let Some(link) = &self.inner.redis {
+            return link.withdraw(budget);
+        }
+        budget.withdraw()
+    }
+
+    /// Closes the gate for `wait` from now, and tells the other processes.
+    fn close_gate(&self, gate: &Gate, wait: Duration) {
+        let until = gate.close(Instant::now(), wait);
+        #[cfg(feature = "fleet-redis")]
+        if let (Some(until), Some(link)) = (until, &self.inner.redis) {
+            link.closed(until, wait);
+        }
+        #[cfg(not(feature = "fleet-redis"))]
+        let _ = until;
     }
 
     /// Tells the fleet what a response said. The gate: a `429` / `529` with `Retry-After`, or
@@ -356,6 +634,11 @@ impl Fleet {
         if let Some(pacer) = self.pacer() {
             if let Some(limit) = ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
+                #[cfg(feature = "fleet-redis")]
+                if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
+                {
+                    link.stated_limit(cap);
+                }
             }
         }
         let Some(gate) = self.gate() else {
@@ -363,21 +646,37 @@ impl Fleet {
         };
         let ceiling = policy.get_retry_after_max();
         let status = head.status.as_u16();
+        let h = &head.headers;
+        // Absolute times from the server are read against the server's own clock, its
+        // `Date`, where it sent one: the host's clock skew then does not move the deadline.
+        // (A wall clock set on the gate config, for tests, is used instead.)
+        let server_now = if gate.config.has_wall_clock() {
+            None
+        } else {
+            h.get(http::header::DATE)
+                .and_then(|d| d.to_str().ok())
+                .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+        };
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
             || status == crate::classify::STATUS_OVERLOADED
         {
+            let retry_after = match server_now {
+                Some(now) if retry_after_is_a_date(h) => {
+                    crate::classify::headers::parse_retry_after(h, now)
+                }
+                _ => retry_after,
+            };
             if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
-                gate.close(Instant::now(), wait.min(ceiling));
+                self.close_gate(gate, wait.min(ceiling));
             }
         }
-        if gate.config.reads_rate_limit_headers() {
-            let h = &head.headers;
-            if h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
-                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING)
-            {
-                if let Some(wait) = ratelimit::requests_exhausted_for(h, gate.config.now()) {
-                    gate.close(Instant::now(), wait.min(ceiling));
-                }
+        if gate.config.reads_rate_limit_headers()
+            && (h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
+                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING))
+        {
+            let now = server_now.unwrap_or_else(|| gate.config.now());
+            if let Some(wait) = ratelimit::requests_exhausted_for(h, now) {
+                self.close_gate(gate, wait.min(ceiling));
             }
         }
     }
@@ -386,11 +685,63 @@ impl Fleet {
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = &self.inner;
-        f.debug_struct("Fleet")
-            .field("budget", &s.budget.as_ref().map(|(c, b)| (c, b.stats())))
+        let mut d = f.debug_struct("Fleet");
+        d.field("budget", &s.budget.as_ref().map(|(c, b)| (c, b.stats())))
             .field("gate", &s.gate)
-            .field("pacer", &s.pacer)
-            .finish()
+            .field("pacer", &s.pacer);
+        #[cfg(feature = "fleet-redis")]
+        d.field("redis", &s.redis);
+        if let Some(scope) = &s.scope {
+            d.field("scope", scope);
+        }
+        if let Some(scopes) = &s.scopes {
+            d.field("scopes", &scopes.read().len());
+        }
+        d.finish()
+    }
+}
+
+/// Whether the wait a response asks for is an HTTP-date (`retry-after` with no
+/// `retry-after-ms` before it, and not a number of seconds).
+fn retry_after_is_a_date(h: &http::HeaderMap) -> bool {
+    if h.contains_key(crate::classify::headers::RETRY_AFTER_MS) {
+        return false;
+    }
+    h.get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| httpdate::parse_http_date(v.trim()).is_ok())
+}
+
+impl Scopes {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, std::collections::HashMap<u64, Fleet>> {
+        self.map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, std::collections::HashMap<u64, Fleet>> {
+        self.map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The hex hash naming a scope: the credential never leaves the process.
+fn scope_id(upstream: &str, credential: &[u8]) -> String {
+    #[cfg(feature = "fleet-redis")]
+    {
+        self::redis::scope_hash(upstream, credential)
+    }
+    #[cfg(not(feature = "fleet-redis"))]
+    {
+        // Within one process: a keyed hash, not kept anywhere else.
+        use std::hash::BuildHasher;
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        let h = KEY
+            .get_or_init(Default::default)
+            .hash_one((upstream, credential));
+        format!("{h:016x}")
     }
 }
 
@@ -400,7 +751,11 @@ const MAX_PACING_WAIT: Duration = Duration::from_secs(24 * 60 * 60);
 /// A place in the pacing line.
 pub(crate) struct Ticket {
     fleet: Fleet,
-    n: u64,
+    /// Its place in the local line, once it joined it.
+    n: Option<u64>,
+    /// Its turn of the fleet's schedule across processes, while it waits for it.
+    #[cfg(feature = "fleet-redis")]
+    remote: Option<self::redis::RemoteTurn>,
     /// Served, or given up: out of the line.
     done: bool,
     /// Polled once: the expected wait is judged as it joins.
@@ -422,10 +777,28 @@ impl Ticket {
     /// when its instant is later; behind others, when the bound comes. The ticket has then
     /// left the line.
     pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
+        #[cfg(feature = "fleet-redis")]
+        if let Some(remote) = &mut self.remote {
+            let outcome = std::task::ready!(remote.poll(cx));
+            self.remote = None;
+            match outcome {
+                self::redis::RemoteOutcome::Go(epoch) => {
+                    self.done = true;
+                    return Poll::Ready(Ok(epoch | self::redis::REMOTE_EPOCH));
+                }
+                self::redis::RemoteOutcome::TooFar(wait) => {
+                    let left = self.give_up_at.saturating_duration_since(Instant::now());
+                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
+                }
+                // Redis did not answer in time: the local line, at once.
+                self::redis::RemoteOutcome::Failed => {}
+            }
+        }
         let pacer = self.fleet.pacer().expect("tickets come from a pacer");
+        let n = *self.n.get_or_insert_with(|| pacer.ticket());
         loop {
             let joining = !std::mem::replace(&mut self.joined, true);
-            let turn = pacer.poll_turn(self.n, cx.waker());
+            let turn = pacer.poll_turn(n, cx.waker());
             let now = Instant::now();
             let left = self.give_up_at.saturating_duration_since(now);
             let wake_at = match turn {
@@ -469,7 +842,10 @@ impl Ticket {
         self.done = true;
         self.sleep = None;
         let pacer = self.fleet.pacer().expect("tickets come from a pacer");
-        let refused_total = pacer.refuse(self.n);
+        let refused_total = match self.n {
+            Some(n) => pacer.refuse(n),
+            None => pacer.count_refused(),
+        };
         let refused = PacingRefused {
             expected,
             left,
@@ -490,10 +866,8 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if !self.done {
-            if let Some(p) = self.fleet.pacer() {
-                p.abandon(self.n);
-            }
+        if let (false, Some(n), Some(p)) = (self.done, self.n, self.fleet.pacer()) {
+            p.abandon(n);
         }
     }
 }

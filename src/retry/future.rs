@@ -23,7 +23,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
-use crate::fleet::{GateWait, PastDeadline, Ticket};
+use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::pipeline::{Asks, Carried, Failed, Judged};
 use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
 
@@ -216,6 +216,8 @@ struct Ctx<S, C> {
     // The head timeout of the attempt in flight, reckoned when it starts (cut to the
     // deadline), as the companion layers are told it.
     attempt_head_timeout: Option<Duration>,
+    // Fleet: the state of this request's scope, when the fleet keeps one per scope.
+    scoped: Option<Fleet>,
 }
 
 /// A bound on the re-sends companion layers may ask for within one attempt.
@@ -286,6 +288,7 @@ where
             );
         }
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
+        let scoped = config.fleet.for_request(&parts.uri, &parts.headers);
         let started = Instant::now();
         let deadline = policy_override
             .as_ref()
@@ -319,6 +322,7 @@ where
             keys_resting: false,
             served_level: None,
             attempt_head_timeout: None,
+            scoped,
         };
         let state = State::Buffering {
             prepare: PrepareBody::new(body, ctx.config.body_limit),
@@ -464,9 +468,7 @@ where
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
                             let c = ctx.config.classifier.classify_response(&head, None);
-                            ctx.config
-                                .fleet
-                                .observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                             ctx.pacing_feedback(&c);
                             this.state.set(State::Done);
                             let body = RetryBody::plain(body, ctx.policy().get_idle_timeout());
@@ -516,9 +518,7 @@ where
                             }
                             // Fleet: a Retry-After or exhausted rate-limit headers may close
                             // the gate.
-                            ctx.config
-                                .fleet
-                                .observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                             match ctx.judge(&c, Some(head.status), None, false, &span) {
                                 Verdict::Retry(delay) => {
                                     drop(body);
@@ -657,9 +657,7 @@ where
                     };
                     let c = if keep { kept(c) } else { c };
                     // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
-                    ctx.config
-                        .fleet
-                        .observe(&head, c.retry_after(), ctx.policy());
+                    ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
                     let verdict =
                         ctx.judge(&c, status, error.as_deref().map(|e| e as _), false, &span);
                     match verdict {
@@ -933,19 +931,24 @@ where
         }
     }
 
+    /// Fleet: the state this request shares, its scope's or the layer's.
+    fn fleet(&self) -> &Fleet {
+        self.scoped.as_ref().unwrap_or(&self.config.fleet)
+    }
+
     /// Fleet: tells the pacing how the attempt that had a turn ended.
     fn pacing_feedback(&mut self, c: &Classification) {
         let Some(epoch) = self.paced.take() else {
             return;
         };
         if c.is_success() {
-            self.config.fleet.paced_success();
+            self.fleet().paced_success();
         } else if matches!(
             c.class(),
             Some(FailureClass::RateLimited | FailureClass::Overloaded)
         ) {
             // A refusal for load slows the pacing.
-            self.config.fleet.paced_refusal(epoch, c.retry_after());
+            self.fleet().paced_refusal(epoch, c.retry_after());
         }
     }
 
@@ -995,7 +998,7 @@ where
             self.sent += 1;
             // Fleet: first attempts pay into the shared retry budget.
             if self.retries == 0 {
-                self.config.fleet.deposit();
+                self.fleet().deposit();
             }
             self.gate_passed = false;
         }
@@ -1147,7 +1150,7 @@ where
             // what `Instant` can hold is past any deadline.
             let now = Instant::now();
             let after_sleep = now.checked_add(delay);
-            let after_gate = self.config.fleet.gate_closed_until().filter(|_| !stepped);
+            let after_gate = self.fleet().gate_closed_until().filter(|_| !stepped);
             let after_gate = after_gate.map(|until| {
                 now.checked_add(policy.get_retry_after_max())
                     .map_or(until, |cap| until.min(cap))
@@ -1157,7 +1160,7 @@ where
             }
         }
         // Fleet: the shared retry budget has the last word.
-        if !self.config.fleet.withdraw() {
+        if !self.fleet().withdraw() {
             return Err(GiveUpReason::Budget);
         }
         // A retry on the next target of a fallback chain does not wait at the gate the
@@ -1188,13 +1191,10 @@ where
         if self.paced.is_some() {
             return Ok(None);
         }
-        let Some(ticket) = self.config.fleet.ticket(self.policy(), self.deadline) else {
+        let Some(ticket) = self.fleet().ticket(self.policy(), self.deadline) else {
             return Ok(None);
         };
-        tracing::trace!(
-            rate = self.config.fleet.pacing_rate(),
-            "joining the pacing line"
-        );
+        tracing::trace!(rate = self.fleet().pacing_rate(), "joining the pacing line");
         Ok(Some(State::Pacing {
             ticket,
             watch: self.watch(),
@@ -1206,7 +1206,7 @@ where
         if self.gate_passed {
             return Ok(None);
         }
-        GateWait::start(&self.config.fleet, self.policy(), self.deadline)
+        GateWait::start(self.fleet(), self.policy(), self.deadline)
             .map_err(|PastDeadline| Stop::Deadline)
     }
 

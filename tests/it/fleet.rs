@@ -1451,3 +1451,149 @@ fn a_fleet_built_by_default_has_the_budget_on_and_the_gate_and_pacing_off() {
     assert!(!Fleet::default().ptr_eq(&fleet));
     assert!(format!("{fleet:?}").starts_with("Fleet {"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// A fleet kept per scope (upstream + credential).
+
+fn keyed(uri: &str, key: &'static str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    let mut req = anthropic_request(uri, BODY);
+    req.headers_mut()
+        .insert("x-api-key", http::HeaderValue::from_static(key));
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let other_upstream = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .per_scope(true)
+        .build();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(no_jitter())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(keyed(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+
+    // Key b on the same upstream, and key a on another upstream: not held.
+    let res = svc
+        .clone()
+        .oneshot(keyed(&url, "sk-ant-key-b"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let res = svc
+        .clone()
+        .oneshot(keyed(&other_upstream.url("/v1/messages"), "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(Instant::now() - origin < Duration::from_millis(1));
+
+    // The read-outs, per scope.
+    let a = fleet.scope_for(&keyed(&url, "sk-ant-key-a"));
+    let b = fleet.scope_for(&keyed(&url, "sk-ant-key-b"));
+    assert_eq!(a.gate_closed_until(), Some(origin + Duration::from_secs(8)));
+    assert_eq!(b.gate_closed_until(), None);
+    assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.scopes().len(), 3);
+    let authority = url.trim_start_matches("http://").split('/').next().unwrap();
+    assert_eq!(a.scope_upstream(), Some(authority));
+    let id = a.scope_id().unwrap();
+    assert_ne!(Some(id), b.scope_id());
+    assert!(!id.contains("key-a"));
+    assert!(!format!("{fleet:?}{a:?}").contains("key-a"));
+
+    // Key a on the first upstream waits for its own gate, to the millisecond.
+    let res = svc
+        .clone()
+        .oneshot(keyed(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(8));
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    // Each scope kept its own budget: key a's two first attempts and a retry.
+    let stats = a.budget_stats().unwrap();
+    assert_eq!((stats.first_attempts, stats.retries), (2, 1));
+    assert_eq!(b.budget_stats().unwrap().first_attempts, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fleet_not_kept_per_scope_holds_every_key() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .build();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(no_jitter())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(keyed(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+    svc.clone()
+        .oneshot(keyed(&url, "sk-ant-key-b"))
+        .await
+        .unwrap();
+    assert_eq!(Instant::now() - origin, Duration::from_secs(8));
+    assert!(fleet.scopes().is_empty());
+    assert!(fleet.scope_for(&keyed(&url, "sk-ant-key-b")).ptr_eq(&fleet));
+    first.await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() {
+    // The server's clock says 2020-09-13T12:26:40Z; the host's says otherwise by years.
+    let date = UNIX_EPOCH + Duration::from_secs(1_600_000_000);
+    let http_date = |t| httpdate::fmt_http_date(t);
+    let server = MockServer::start(
+        Script::new()
+            .then(
+                Reply::status(429)
+                    .header("date", &http_date(date))
+                    .header("retry-after", &http_date(date + Duration::from_secs(7))),
+            )
+            .then(
+                Reply::success()
+                    .header("date", &http_date(date))
+                    .header("anthropic-ratelimit-requests-remaining", "0")
+                    .header("anthropic-ratelimit-requests-reset", "2020-09-13T12:26:45Z"),
+            ),
+    )
+    .await
+    .unwrap();
+    for (n, wait) in [(0, 7), (1, 5)] {
+        let fleet = Fleet::builder()
+            .cooldown_gate(Some(GateConfig::new()))
+            .build();
+        let svc = RetryLayer::new()
+            .policy(no_jitter().max_retries(0))
+            .fleet(fleet.clone())
+            .layer(http_client());
+        svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        let received = server.requests()[n].received_at;
+        assert_eq!(
+            fleet.gate_closed_until(),
+            Some(received + Duration::from_secs(wait)),
+            "reply {n}"
+        );
+    }
+}

@@ -17,6 +17,8 @@ mod failover;
 mod fallback;
 mod faults;
 mod fleet;
+#[cfg(feature = "fleet-redis")]
+mod fleet_redis;
 mod http2;
 mod incomplete_stream;
 mod mcp;

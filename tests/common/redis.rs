@@ -1,0 +1,129 @@
+//! A real `redis-server` for the tests of the fleet across processes: started on a Unix
+//! socket in a directory of its own, without persistence, killed when dropped.
+//!
+//! When `redis-server` is not installed the tests that need it print a notice and pass,
+//! except under CI (the `CI` variable set), where they fail.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+pub struct RedisServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    socket: PathBuf,
+}
+
+impl RedisServer {
+    /// A fresh server, or `None` (with a notice) when `redis-server` is not installed and
+    /// this is not CI.
+    pub fn start() -> Option<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let installed = Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !installed {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "redis-server is not installed, and CI is set: the fleet-redis tests must run"
+            );
+            eprintln!("NOTICE: redis-server is not installed; skipping this fleet-redis test");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "tower-llm-retry-redis-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("redis.sock");
+        let mut server = RedisServer {
+            child: None,
+            dir,
+            socket,
+        };
+        server.launch();
+        Some(server)
+    }
+
+    fn launch(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--unixsocket"])
+            .arg(&self.socket)
+            .args([
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.child = Some(child);
+        // Ready once it answers a PING.
+        for _ in 0..400 {
+            if self.ping() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("redis-server did not come up within 2 s");
+    }
+
+    fn ping(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_millis(100)) else {
+            return false;
+        };
+        redis::cmd("PING").query::<String>(&mut conn).is_ok()
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket.display())
+    }
+
+    /// Kills it (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same socket, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// Runs one command on a connection of its own.
+    pub fn command(&self, args: &[&str]) -> redis::Value {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .unwrap();
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut conn).unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,784 @@
+//! The fleet across processes: several fleets built separately (as separate processes build
+//! theirs) sharing one real `redis-server`, in front of the mock on 127.0.0.1. Redis keeps
+//! real time, so these tests run in real time, each for a few seconds at most.
+
+use std::time::Duration;
+
+use crate::common::*;
+use http::StatusCode;
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, RedisFleet, RedisState};
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::{GiveUpReason, Retry, RetryLayer, RetryPolicy, RetryTrail};
+
+#[path = "../common/redis.rs"]
+mod redis_server;
+use redis_server::RedisServer;
+
+fn store(redis: &RedisServer) -> RedisFleet {
+    RedisFleet::from_url(&redis.url())
+        .unwrap()
+        .scope("127.0.0.1", b"test-key")
+}
+
+/// A store whose calls may take 250 ms: for the tests of the shared pacing, which are about
+/// the schedule, not the fallback a slow call takes (a loaded machine misses 50 ms).
+fn patient(store: RedisFleet) -> RedisFleet {
+    store.call_timeout(Duration::from_millis(250)).unwrap()
+}
+
+fn gate() -> GateConfig {
+    GateConfig::new()
+        .spread(0.25, Duration::from_secs(30))
+        .unwrap()
+}
+
+fn policy() -> RetryPolicy {
+    RetryPolicy::default().jitter(Jitter::none())
+}
+
+fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
+    RetryLayer::new()
+        .policy(policy)
+        .fleet(fleet.clone())
+        .layer(http_client())
+}
+
+/// Waits (in real time) until `cond` holds, for at most `limit`; returns how long it took.
+async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() <= limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+fn connected(fleet: &Fleet) -> bool {
+    matches!(fleet.redis_state(), Some(RedisState::Connected { .. }))
+}
+
+async fn all_connected(fleets: &[Fleet]) {
+    let ok = within(Duration::from_secs(2), || fleets.iter().all(connected)).await;
+    assert!(
+        ok.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.redis_state()).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn one_429_seen_by_one_fleet_holds_the_first_attempts_of_all_and_releases_them_spread() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
+        .await
+        .unwrap();
+    // The third fleet is given a connection manager, which cannot subscribe: it learns of
+    // the closing from its poll.
+    let manager = redis::aio::ConnectionManager::new(redis::Client::open(redis.url()).unwrap())
+        .await
+        .unwrap();
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|i| {
+            let store = if i == 2 {
+                RedisFleet::from_manager(manager.clone()).scope("127.0.0.1", b"test-key")
+            } else {
+                store(&redis)
+            };
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store)
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+
+    let first = tokio::spawn(
+        stacks[0]
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    );
+    within(Duration::from_secs(1), || {
+        fleets[0].gate_closed_until().is_some()
+    })
+    .await
+    .expect("the fleet that got the 429 closes its gate");
+    let refused_at = server.requests()[0].received_at;
+    let by_message = within(Duration::from_millis(500), || {
+        fleets[1].gate_closed_until().is_some()
+    })
+    .await
+    .expect("a subscribed fleet learns of the closing from the message");
+    let by_poll = within(Duration::from_millis(1_500), || {
+        fleets[2].gate_closed_until().is_some()
+    })
+    .await
+    .expect("a fleet that does not subscribe learns of it from the poll");
+    assert!(by_message < Duration::from_millis(100), "{by_message:?}");
+    assert!(by_poll <= Duration::from_millis(1_100), "{by_poll:?}");
+    // Each holds its gate until the deadline Redis keeps, converted on arrival: within a few
+    // milliseconds of the local one.
+    let deadline = fleets[0].gate_closed_until().unwrap();
+    for f in &fleets[1..] {
+        let d = f.gate_closed_until().unwrap();
+        let skew = if d > deadline {
+            d - deadline
+        } else {
+            deadline - d
+        };
+        assert!(skew < Duration::from_millis(20), "{skew:?}");
+    }
+
+    // First attempts of the other fleets, made while the gate is closed.
+    let mut tasks = tokio::task::JoinSet::new();
+    for svc in &stacks[1..] {
+        for _ in 0..10 {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+        }
+    }
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.extensions().get::<RetryTrail>().is_none());
+    }
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(server.request_count(), 22);
+    let mut after: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - refused_at)
+        .collect();
+    after.sort();
+    // None before the deadline (the 429's Retry-After of 2 s, less the Redis round trip that
+    // converted it), then spread over up to 25 % of it.
+    assert!(after[0] >= Duration::from_millis(1_990), "{after:?}");
+    assert!(
+        *after.last().unwrap() <= Duration::from_millis(2_600),
+        "{after:?}"
+    );
+    let span = *after.last().unwrap() - after[0];
+    assert!(
+        span >= Duration::from_millis(150),
+        "released at once: {after:?}"
+    );
+    // Each counted the three of them.
+    for f in &fleets {
+        assert_eq!(
+            f.redis_state(),
+            Some(RedisState::Connected { processes: 3 })
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_budget_holds_fleet_wide_in_a_full_outage() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
+    let fleets: Vec<Fleet> = (0..4)
+        .map(|_| {
+            Fleet::builder()
+                .budget(Some(budget))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    // 3 retries 20, 40 and 80 ms apart: everything happens within one window.
+    let policy = policy()
+        .max_retries(3)
+        .initial_backoff(Duration::from_millis(20));
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy.clone())).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for round in 0..25 {
+        for svc in &stacks {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+        }
+        if round % 5 == 4 {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+    }
+    let (mut retries, mut denied) = (0, 0);
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let trail = res.extensions().get::<RetryTrail>().unwrap();
+        retries += trail.retries();
+        denied += u32::from(trail.gave_up() == Some(GiveUpReason::Budget));
+    }
+    // Fleet-wide: 1 retry a second for 10 s, plus one per 10 of the 100 first attempts. Four
+    // budgets of their own would have allowed 4 × (10 + 2.5) = 50.
+    assert_eq!(budget.max_retries(100), 20);
+    assert!(retries <= 20, "{retries} retries");
+    assert!(
+        retries >= 10,
+        "only {retries} retries of the 20 the budget allows"
+    );
+    assert_eq!(server.request_count(), 100 + retries as usize);
+    assert!(denied >= 80, "{denied}");
+    let stats: u64 = fleets
+        .iter()
+        .map(|f| f.budget_stats().unwrap().retries)
+        .sum();
+    assert_eq!(stats, u64::from(retries));
+}
+
+/// Sends a request through each stack every 10 ms for `run`, and returns the slowest.
+async fn steady(stacks: &[Retry<HttpClient>], server: &MockServer, run: Duration) -> Duration {
+    let start = Instant::now();
+    let mut slowest = Duration::ZERO;
+    while start.elapsed() < run {
+        for svc in stacks {
+            let t = Instant::now();
+            let res = svc
+                .clone()
+                .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+            assert!(res.extensions().get::<RetryTrail>().is_none());
+            slowest = slowest.max(t.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    slowest
+}
+
+/// One 429 with Retry-After 1 s through `a`; returns how long `b` took to learn of it.
+async fn coordination(a: &Fleet, b: &Fleet) -> Option<Duration> {
+    close_through(a, b, "1").await
+}
+
+/// One 429 with Retry-After `secs` through `a`; returns how long `b` took to learn of it.
+async fn close_through(a: &Fleet, b: &Fleet, secs: &str) -> Option<Duration> {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited(secs)))
+        .await
+        .unwrap();
+    let svc = stack(a, policy().max_retries(0));
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    within(Duration::from_millis(1_200), || {
+        b.gate_closed_until().is_some()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn redis_killed_mid_run_loses_fails_and_delays_nothing_and_coordination_comes_back() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    // Polled every 200 ms, so that the closing merged back is seen before it lapses.
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(
+                    store(&redis)
+                        .poll_interval(Duration::from_millis(200))
+                        .unwrap(),
+                )
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // Once each has counted both (its poll after the other's first).
+    let counted = within(Duration::from_millis(1_500), || {
+        fleets
+            .iter()
+            .all(|f| f.redis_state() == Some(RedisState::Connected { processes: 2 }))
+    });
+    assert!(counted.await.is_some());
+    assert!(steady(&stacks, &server, Duration::from_millis(200)).await < Duration::from_millis(50));
+
+    redis.kill();
+    let before = server.request_count();
+    let slowest = steady(&stacks, &server, Duration::from_millis(600)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    assert!(server.request_count() > before);
+    for f in &fleets {
+        assert!(
+            matches!(f.redis_state(), Some(RedisState::Local { processes: 2 })),
+            "{:?}",
+            f.redis_state()
+        );
+    }
+    // Out of touch, each fleet still has its own gate: a closing stays in the one that saw it.
+    assert!(close_through(&fleets[0], &fleets[0], "2").await.is_some());
+    assert_eq!(fleets[1].gate_closed_until(), None);
+
+    redis.restart();
+    let back = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(connected)
+    })
+    .await;
+    assert!(back.is_some(), "{:?}", fleets[0].redis_state());
+    // The closing made while out of touch is merged back into the new Redis, and reaches the
+    // other fleet from there.
+    assert_eq!(
+        redis.command(&["EXISTS", &store(&redis).key_names()[0]]),
+        redis::Value::Int(1)
+    );
+    let merged = within(Duration::from_millis(500), || {
+        fleets[1].gate_closed_until().is_some()
+    });
+    assert!(merged.await.is_some());
+    let open = within(Duration::from_secs(2), || {
+        fleets.iter().all(|f| f.gate_closed_until().is_none())
+    });
+    assert!(open.await.is_some());
+    let slowest = steady(&stacks, &server, Duration::from_millis(200)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    // And the gate is shared again.
+    let learnt = coordination(&fleets[0], &fleets[1]).await;
+    assert!(
+        learnt.is_some(),
+        "the other fleet never learnt of the closing"
+    );
+}
+
+#[tokio::test]
+async fn redis_frozen_delays_no_request_and_the_fleet_falls_back_then_returns() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // Redis answers nobody for 1.2 s.
+    redis.command(&["CLIENT", "PAUSE", "1200", "ALL"]);
+    let slowest = steady(&stacks, &server, Duration::from_millis(800)).await;
+    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    for f in &fleets {
+        assert!(
+            matches!(f.redis_state(), Some(RedisState::Local { .. })),
+            "{:?}",
+            f.redis_state()
+        );
+    }
+    let back = within(Duration::from_secs(3), || fleets.iter().all(connected)).await;
+    assert!(back.is_some(), "{:?}", fleets[0].redis_state());
+    assert!(coordination(&fleets[0], &fleets[1]).await.is_some());
+}
+
+#[tokio::test]
+async fn flushed_scripts_and_keys_heal_by_themselves() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    assert!(coordination(&fleets[0], &fleets[1]).await.is_some());
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(fleets[1].gate_closed_until(), None);
+    redis.command(&["SCRIPT", "FLUSH"]);
+    redis.command(&["FLUSHALL"]);
+    assert!(
+        coordination(&fleets[1], &fleets[0]).await.is_some(),
+        "no coordination after the scripts and keys were flushed"
+    );
+    assert!(fleets.iter().all(connected));
+    // And a retry is still paid for by the fleet-wide budget.
+    let server = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let res = stack(
+        &fleets[0],
+        policy().initial_backoff(Duration::from_millis(10)),
+    )
+    .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    .await
+    .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::OK,
+        "{:?}",
+        res.extensions().get::<RetryTrail>()
+    );
+    assert_eq!(server.request_count(), 2);
+}
+
+#[tokio::test]
+async fn the_background_task_ends_when_the_fleet_is_dropped() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(gate()))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let clients = || -> usize {
+        match redis.command(&["CLIENT", "LIST"]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).lines().count(),
+            redis::Value::VerbatimString { text, .. } => text.lines().count(),
+            other => panic!("{other:?}"),
+        }
+    };
+    // Its script connection and its subscription, and the one asking.
+    assert_eq!(clients(), 3);
+    drop(fleet);
+    let gone = within(Duration::from_secs(1), || clients() == 1).await;
+    assert!(gone.is_some(), "{} clients left", clients());
+}
+
+#[tokio::test]
+async fn the_shared_pace_keeps_the_sum_of_the_fleets_under_the_stated_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // 1,200 a minute: 20 a second for the fleet, however many processes it has.
+    let server = MockServer::start(Script::always(
+        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
+    ))
+    .await
+    .unwrap();
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|_| {
+            Fleet::builder()
+                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .redis(patient(store(&redis)))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // One answer states the limit; then 3 × 12 requests at once.
+    let res = stacks[0]
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The cap reaches the fleet's schedule, and every fleet reads it there (by its poll).
+    let cap = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace() == Some(20.0))
+    });
+    assert!(
+        cap.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for svc in &stacks {
+        for _ in 0..12 {
+            let svc = svc.clone();
+            let req = anthropic_request(&server.url("/v1/messages"), BODY);
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        }
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+    let mut at: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    at.sort();
+    assert_eq!(at.len(), 36);
+    // 50 ms apart, whichever fleet sent them: 36 take 1.75 s (three fleets pacing on their
+    // own would have sent them in 0.55 s, 60 a second); no second holds more than the
+    // limit, give or take what a stalled scheduler bunches.
+    let span = *at.last().unwrap() - at[0];
+    assert!(span >= Duration::from_millis(1_650), "{span:?}");
+    assert_within_limit(&at);
+}
+
+#[tokio::test]
+async fn a_refusal_seen_by_every_fleet_in_one_round_slows_the_fleet_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("0"))
+            .then(Reply::rate_limited("0"))
+            .then(Reply::rate_limited("0")),
+    )
+    .await
+    .unwrap();
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(10.0, 1.0, 10.0)
+        .unwrap()
+        .decrease(0.5)
+        .unwrap();
+    let fleets: Vec<Fleet> = (0..3)
+        .map(|_| {
+            Fleet::builder()
+                .pacing(Some(pacing))
+                .redis(store(&redis))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for f in &fleets {
+        let svc = stack(f, policy());
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+    }
+    let mut retries = 0;
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        retries += res
+            .extensions()
+            .get::<RetryTrail>()
+            .map_or(0, |t| t.retries());
+    }
+    assert_eq!(retries, 3);
+    assert_eq!(server.request_count(), 6);
+    // Three refusals of attempts sent in one round: one decrease, 10 → 5 a second (one per
+    // process would have left 1.25), plus what the successes added since.
+    let learnt = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace().is_some_and(|p| p < 6.0))
+    });
+    assert!(
+        learnt.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    for f in &fleets {
+        let pace = f.pace().unwrap();
+        assert!((5.0..5.5).contains(&pace), "{pace}");
+    }
+}
+
+/// Run by the multi-process test, in a child process of its own: sends `FLEET_CHILD_N`
+/// requests at once to the mock at `FLEET_CHILD_MOCK`, its fleet sharing the Redis at
+/// `FLEET_CHILD_REDIS`, and checks that each succeeded.
+#[tokio::test]
+#[ignore = "a child process of the multi-process test"]
+async fn pacing_child() {
+    let redis = std::env::var("FLEET_CHILD_REDIS").expect("run by the multi-process test");
+    let mock = std::env::var("FLEET_CHILD_MOCK").unwrap();
+    let n: usize = std::env::var("FLEET_CHILD_N").unwrap().parse().unwrap();
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(patient(
+            RedisFleet::from_url(&redis)
+                .unwrap()
+                .scope("127.0.0.1", b"test-key"),
+        ))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let svc = svc.clone();
+        let req = anthropic_request(&mock, BODY);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn separate_processes_sharing_one_redis_keep_together_under_the_stated_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::always(
+        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
+    ))
+    .await
+    .unwrap();
+    // This process states the limit to the fleet's schedule first.
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(patient(store(&redis)))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    stack(&fleet, policy())
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(
+        within(Duration::from_millis(500), || fleet.pace() == Some(20.0))
+            .await
+            .is_some()
+    );
+    let start = Instant::now();
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "fleet_redis::pacing_child",
+                    "--exact",
+                    "--include-ignored",
+                    "--test-threads=1",
+                ])
+                .env("FLEET_CHILD_REDIS", redis.url())
+                .env("FLEET_CHILD_MOCK", server.url("/v1/messages"))
+                .env("FLEET_CHILD_N", "12")
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .status()
+        })
+        .collect();
+    for status in futures_util::future::join_all(children).await {
+        assert!(status.unwrap().success());
+    }
+    let mut at: Vec<Duration> = server.requests()[1..]
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    at.sort();
+    assert_eq!(at.len(), 36);
+    // The mock's count of requests in any second stays within the limit across the three
+    // processes (pacing on their own they would send 60 a second; sharing it, 36 take 1.75 s).
+    let span = *at.last().unwrap() - at[0];
+    assert!(span >= Duration::from_millis(1_650), "{span:?}");
+    assert_within_limit(&at);
+}
+
+#[tokio::test]
+async fn fleets_kept_per_scope_share_each_scope_across_processes_and_only_it() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
+        .await
+        .unwrap();
+    let url = server.url("/v1/messages");
+    let keyed = |key: &'static str| {
+        let mut req = anthropic_request(&url, BODY);
+        req.headers_mut()
+            .insert("x-api-key", http::HeaderValue::from_static(key));
+        req
+    };
+    // No scope set on the store: each scope of the requests names its own in Redis.
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .per_scope(true)
+                .redis(RedisFleet::from_url(&redis.url()).unwrap())
+                .build()
+        })
+        .collect();
+    let a: Vec<Fleet> = fleets
+        .iter()
+        .map(|f| f.scope_for(&keyed("key-a")))
+        .collect();
+    let b = fleets[1].scope_for(&keyed("key-b"));
+    assert_eq!(a[0].scope_id(), a[1].scope_id());
+    assert_ne!(a[1].scope_id(), b.scope_id());
+    all_connected(&[a[0].clone(), a[1].clone(), b.clone()]).await;
+    let res = stack(&fleets[0], policy().max_retries(0))
+        .oneshot(keyed("key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let learnt = within(Duration::from_millis(500), || {
+        a[1].gate_closed_until().is_some()
+    });
+    assert!(learnt.await.is_some());
+    assert_eq!(b.gate_closed_until(), None);
+    // The scopes of a fleet share one connection for their scripts; each subscribes on one
+    // of its own: 2 + 3, and the one asking.
+    let clients = match redis.command(&["CLIENT", "LIST"]) {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).lines().count(),
+        redis::Value::VerbatimString { text, .. } => text.lines().count(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(clients, 6);
+    // Only hashes reach Redis.
+    let keys = match redis.command(&["KEYS", "*"]) {
+        redis::Value::Array(keys) => keys,
+        other => panic!("{other:?}"),
+    };
+    for k in keys {
+        let redis::Value::BulkString(k) = k else {
+            panic!("{k:?}")
+        };
+        let k = String::from_utf8(k).unwrap();
+        assert!(!k.contains("key-a") && !k.contains("127.0.0.1"), "{k}");
+    }
+}
+
+/// No second of `at` (sorted arrival times) holds more than the stated 20 requests plus 4:
+/// the schedule's slots are 50 ms apart, but on a loaded machine a process the scheduler
+/// stalls sends the requests whose slots passed meanwhile together when it runs again.
+fn assert_within_limit(at: &[Duration]) {
+    for (i, t) in at.iter().enumerate() {
+        let in_window = at[i..]
+            .iter()
+            .take_while(|u| **u < *t + Duration::from_secs(1))
+            .count();
+        assert!(in_window <= 24, "{in_window} within 1 s from {t:?}: {at:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_pacing_turn_waits_no_longer_than_one_redis_deadline_when_redis_freezes() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    // A rate no request reaches: a turn is its admission alone.
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(1_000.0, 1.0, 1_000.0)
+        .unwrap();
+    let fleet = Fleet::builder()
+        .pacing(Some(pacing))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let stacks = [stack(&fleet, policy())];
+    assert!(steady(&stacks, &server, Duration::from_millis(100)).await < Duration::from_millis(20));
+    let before = server.request_count();
+    redis.command(&["CLIENT", "PAUSE", "800", "ALL"]);
+    // Each reservation Redis does not answer within its 50 ms falls back to the local line,
+    // until the fleet stops asking Redis.
+    let slowest = steady(&stacks, &server, Duration::from_millis(600)).await;
+    assert!(slowest < Duration::from_millis(90), "{slowest:?}");
+    let sent = server.request_count() - before;
+    assert!(
+        sent > 10,
+        "{sent} sent, slowest {slowest:?}, {:?}",
+        fleet.redis_state()
+    );
+    assert!(matches!(
+        fleet.redis_state(),
+        Some(RedisState::Local { .. })
+    ));
+    let back = within(Duration::from_secs(3), || connected(&fleet)).await;
+    assert!(back.is_some(), "{:?}", fleet.redis_state());
+}
