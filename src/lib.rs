@@ -193,6 +193,7 @@ pub mod json_edit;
 pub mod mcp;
 pub mod overflow;
 mod pipeline;
+mod provider;
 pub mod retry;
 pub mod stream;
 mod time;

@@ -30,10 +30,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::classify::error_body::ErrorBody;
 use crate::classify::FailureClass;
 use crate::error::Error;
 use crate::overflow::OverflowRepaired;
+use crate::provider::error_body::ErrorBody;
 use crate::retry::AttemptContext;
 
 /// Request extension: what the retry loop carries from one send of a request to the next for

@@ -12,10 +12,10 @@ use tower_service::Service;
 use super::layer::Config;
 use super::{AuthOutcome, Credential, CredentialFuture, TokenSource};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
-use crate::classify::error_body::{body_signal, BodySignal, ErrorBody};
 use crate::classify::headers::parse_retry_after;
 use crate::error::{BoxError, Error, ErrorKind};
 use crate::pipeline::{Asks, Carried, Inside, Judge, Judged};
+use crate::provider::error_body::{body_signal, BodySignal, ErrorBody};
 use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{HttpResponse, RetryBody};
 

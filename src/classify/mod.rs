@@ -98,7 +98,6 @@
 //! }
 //! ```
 
-pub(crate) mod error_body;
 pub mod headers;
 mod sse;
 
@@ -110,7 +109,7 @@ use std::time::{Duration, SystemTime};
 
 use http::StatusCode;
 
-use self::error_body::{body_signal, BodySignal};
+use crate::provider::error_body::{body_signal, BodySignal};
 use crate::stream::SseEvent;
 
 /// The HTTP status Anthropic uses for "overloaded".

@@ -17,13 +17,13 @@ use super::layer::{Config, Counted, Streak};
 use super::{FallbackMode, ModelUsed, TargetAttempts};
 use crate::auth::TargetCredential;
 use crate::body::{as_replay_body, PrepareBody, ReplayBody};
-use crate::classify::error_body::{BodySignal, ErrorBody};
 use crate::classify::headers::parse_retry_after;
 use crate::classify::{is_overloaded, overloaded_by, FailureClass};
 use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
 use crate::pipeline::{Asks, Carried, Failed, Inside, Judge, Judged};
+use crate::provider::error_body::{BodySignal, ErrorBody};
 use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 

@@ -165,7 +165,6 @@ let layer = RetryLayer::new().fleet(fleet);
 mod budget;
 mod gate;
 mod limit;
-mod ratelimit;
 #[cfg(feature = "fleet-redis")]
 mod redis;
 
@@ -632,7 +631,7 @@ impl Fleet {
     ) {
         // Pacing: a stated request limit caps the rate.
         if let Some(pacer) = self.pacer() {
-            if let Some(limit) = ratelimit::requests_limit(&head.headers) {
+            if let Some(limit) = crate::provider::ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
                 #[cfg(feature = "fleet-redis")]
                 if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
@@ -671,11 +670,11 @@ impl Fleet {
             }
         }
         if gate.config.reads_rate_limit_headers()
-            && (h.contains_key(ratelimit::ANTHROPIC_REQUESTS_REMAINING)
-                || h.contains_key(ratelimit::OPENAI_REQUESTS_REMAINING))
+            && (h.contains_key(crate::provider::ratelimit::ANTHROPIC_REQUESTS_REMAINING)
+                || h.contains_key(crate::provider::ratelimit::OPENAI_REQUESTS_REMAINING))
         {
             let now = server_now.unwrap_or_else(|| gate.config.now());
-            if let Some(wait) = ratelimit::requests_exhausted_for(h, now) {
+            if let Some(wait) = crate::provider::ratelimit::requests_exhausted_for(h, now) {
                 self.close_gate(gate, wait.min(ceiling));
             }
         }

@@ -13,10 +13,10 @@ use tower_service::Service;
 use super::layer::Config;
 use super::{ContextWindowExceeded, OverflowRepaired};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
-use crate::classify::error_body::{context_overflow, ErrorBody, Overflow};
 use crate::error::BoxError;
 use crate::json_edit;
 use crate::pipeline::{Asks, Carried, Inside, Judge, Judged};
+use crate::provider::error_body::{context_overflow, ErrorBody, Overflow};
 use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{HttpResponse, RetryBody};
 

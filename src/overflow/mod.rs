@@ -90,7 +90,7 @@ pub use self::future::ResponseFuture;
 pub use self::layer::ContextOverflowLayer;
 pub use self::service::ContextOverflow;
 
-use crate::classify::error_body::{context_overflow, Overflow};
+use crate::provider::error_body::{context_overflow, Overflow};
 
 /// Response extension: what [`ContextOverflowLayer`] changed before the re-send that produced
 /// this response.

@@ -17,7 +17,6 @@ use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::{Held, PrepareBody, ReplayBody};
-use crate::classify::error_body::ErrorBody;
 use crate::classify::{Classification, Classify, FailureClass, SseVerdict};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
@@ -25,6 +24,7 @@ use crate::error::{
 };
 use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::pipeline::{Asks, Carried, Failed, Judged};
+use crate::provider::error_body::ErrorBody;
 use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
 
 pub(crate) use self::sealed::HttpResponse;

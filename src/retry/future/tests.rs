@@ -163,7 +163,7 @@ impl Judge for ResendOnce {
     fn judge(
         &self,
         _: &mut http::response::Parts,
-        _: Option<&crate::classify::error_body::ErrorBody>,
+        _: Option<&crate::provider::error_body::ErrorBody>,
         carried: &mut Carried,
     ) -> Judged {
         if carried.refreshed {
