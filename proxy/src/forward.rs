@@ -45,6 +45,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// proxy's own, and less the client's credentials when the proxy holds the keys.
 pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
     strip_hop_by_hop(&mut headers);
+    // Framing, like `transfer-encoding`: the client sets it from the body it sends, which is
+    // the caller's bytes unless a layer changed one JSON value (`model`, `max_tokens`).
+    headers.remove(header::CONTENT_LENGTH);
     headers.remove(RETRY_SWITCH);
     headers.remove(RETRY_POLICY);
     headers.remove(CLIENT_TOKEN);
@@ -60,12 +63,13 @@ pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
 pub fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
     let direct = [CLIENT_TOKEN, "x-api-key"]
         .into_iter()
-        .filter_map(|n| headers.get(n))
+        .flat_map(|n| headers.get_all(n))
         .map(HeaderValue::as_bytes);
     let bearer = headers
-        .get(header::AUTHORIZATION)
-        .map(HeaderValue::as_bytes)
-        .and_then(|v| {
+        .get_all(header::AUTHORIZATION)
+        .into_iter()
+        .filter_map(|v| {
+            let v = v.as_bytes();
             let (scheme, rest) = v.split_at(v.iter().position(|b| *b == b' ')?);
             scheme
                 .eq_ignore_ascii_case(b"bearer")
@@ -97,7 +101,7 @@ mod tests {
         }
         let out = request_headers(h.clone(), false);
         let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
-        assert_eq!(names, ["x-api-key", "anthropic-version", "content-length"]);
+        assert_eq!(names, ["x-api-key", "anthropic-version"]);
         let out = request_headers(h, true);
         assert!(!out.contains_key("x-api-key"));
     }
