@@ -103,57 +103,57 @@ impl Body for ProxyBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        loop {
-            match &mut this.state {
-                State::Done => return Poll::Ready(None),
-                State::Flushing(err, sleep) => {
-                    std::task::ready!(sleep.as_mut().poll(cx));
-                    let err = err.take();
-                    this.state = State::Done;
-                    return Poll::Ready(err.map(Err));
-                }
-                State::Streaming => {}
+        match &mut this.state {
+            State::Done => return Poll::Ready(None),
+            State::Flushing(err, sleep) => {
+                std::task::ready!(sleep.as_mut().poll(cx));
+                let err = err.take();
+                this.state = State::Done;
+                return Poll::Ready(err.map(Err));
             }
-            match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
-                Some(Ok(frame)) => {
-                    if let Some(data) = frame.data_ref() {
-                        if !data.is_empty() {
-                            this.at_boundary = ends_event(data);
-                        }
+            State::Streaming => {}
+        }
+        match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() {
+                        this.at_boundary = ends_event(data);
                     }
-                    return Poll::Ready(Some(Ok(frame)));
                 }
-                None => {
+                Poll::Ready(Some(Ok(frame)))
+            }
+            None => {
+                this.state = State::Done;
+                Poll::Ready(None)
+            }
+            Some(Err(e)) => {
+                let kind = error_kind(&e);
+                tracing::warn!(
+                    error.type = kind,
+                    "upstream body failed after the response head"
+                );
+                if let Some(f) = this.on_abort.take() {
+                    f(kind);
+                }
+                let Some(style) = this.style else {
                     this.state = State::Done;
-                    return Poll::Ready(None);
-                }
-                Some(Err(e)) => {
-                    let kind = error_kind(&e);
-                    tracing::warn!(error.type = kind, "upstream body failed after the response head");
-                    if let Some(f) = this.on_abort.take() {
-                        f(kind);
-                    }
-                    let Some(style) = this.style else {
-                        this.state = State::Done;
-                        return Poll::Ready(Some(Err(e)));
-                    };
-                    let message = format!(
-                        "the upstream stream failed after output was sent ({kind}); \
-                         the response is incomplete"
-                    );
-                    let event = style.error_event(&message);
-                    let frame = if this.at_boundary {
-                        event
-                    } else {
-                        let mut b = Vec::with_capacity(event.len() + 2);
-                        b.extend_from_slice(b"\n\n");
-                        b.extend_from_slice(&event);
-                        Bytes::from(b)
-                    };
-                    this.state =
-                        State::Flushing(Some(e), Box::pin(tokio::time::sleep(FLUSH_GRACE)));
-                    return Poll::Ready(Some(Ok(Frame::data(frame))));
-                }
+                    return Poll::Ready(Some(Err(e)));
+                };
+                let message = format!(
+                    "the upstream stream failed after output was sent ({kind}); \
+                     the response is incomplete"
+                );
+                let event = style.error_event(&message);
+                let frame = if this.at_boundary {
+                    event
+                } else {
+                    let mut b = Vec::with_capacity(event.len() + 2);
+                    b.extend_from_slice(b"\n\n");
+                    b.extend_from_slice(&event);
+                    Bytes::from(b)
+                };
+                this.state = State::Flushing(Some(e), Box::pin(tokio::time::sleep(FLUSH_GRACE)));
+                Poll::Ready(Some(Ok(Frame::data(frame))))
             }
         }
     }

@@ -36,7 +36,7 @@ impl Routes {
             .enumerate()
             .map(|(i, u)| (u.route_prefix(), i))
             .collect();
-        prefixes.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        prefixes.sort_by_key(|p| std::cmp::Reverse(p.0.len()));
         let first = |k: Kind| upstreams.iter().position(|u| u.kind == k);
         Routes {
             prefixes,

@@ -264,10 +264,13 @@ struct Entry {
     used: u64,
 }
 
+/// A use counter (for least-recently-used eviction) and the stacks.
+type Map = (u64, HashMap<(usize, TenantId), Entry>);
+
 /// The stacks, one per (upstream, tenant), made when first needed and kept in a bounded map:
 /// beyond `max` the least recently used is dropped (its in-flight requests keep their clone).
 pub struct Tenants {
-    map: Mutex<(u64, HashMap<(usize, TenantId), Entry>)>,
+    map: Mutex<Map>,
     max: usize,
 }
 

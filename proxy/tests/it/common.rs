@@ -58,13 +58,14 @@ pub struct Harness {
 pub fn config_for(mock: &MockServer) -> Config {
     let url = mock.url("");
     let url = url.trim_end_matches('/');
-    let mut c = Config::default();
-    c.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    c.upstream = vec![
-        Upstream::new("anthropic", Kind::Anthropic, url),
-        Upstream::new("openai", Kind::OpenAi, url),
-    ];
-    c
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        upstream: vec![
+            Upstream::new("anthropic", Kind::Anthropic, url),
+            Upstream::new("openai", Kind::OpenAi, url),
+        ],
+        ..Config::default()
+    }
 }
 
 pub async fn start(script: Script) -> Harness {
