@@ -31,6 +31,9 @@ use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script, Sse
 
 use crate::config::{Config, Kind, Upstream};
 
+/// The retries the demo's upstreams allow (short, so a give-up is quick to see).
+pub const DEMO_MAX_RETRIES: u32 = 3;
+
 /// The fallback chain the demo's Anthropic upstream uses.
 pub const DEMO_FALLBACK: &str = "claude-fallback";
 
@@ -162,15 +165,18 @@ pub async fn start_mock() -> std::io::Result<MockServer> {
     MockServer::start(script()).await
 }
 
-/// The demo's configuration: both upstreams at the mock, short backoffs, a fallback chain.
+/// The demo's configuration: both upstreams at the mock, 3 retries from 100 ms, and the
+/// fallback chain `claude-primary` → `claude-fallback` on the Anthropic one.
 pub fn config(mock: &MockServer, mut base: Config) -> Config {
     let url = mock.url("");
     let url = url.trim_end_matches('/');
     let mut anthropic = Upstream::new("anthropic", Kind::Anthropic, url);
     anthropic.initial_backoff_ms = Some(100);
+    anthropic.max_retries = Some(DEMO_MAX_RETRIES);
     anthropic.fallback = vec!["claude-primary".into(), DEMO_FALLBACK.into()];
     let mut openai = Upstream::new("openai", Kind::OpenAi, url);
     openai.initial_backoff_ms = Some(100);
+    openai.max_retries = Some(DEMO_MAX_RETRIES);
     base.upstream = vec![anthropic, openai];
     base
 }
