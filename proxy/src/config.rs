@@ -432,6 +432,8 @@ impl Config {
                     }
                 }
                 "CLIENT_TOKEN" => self.client_token = Some(Secret::new(value.clone())),
+                // The log filter, read by the binary.
+                "LOG" => {}
                 _ => {
                     let Some(rest) = key.strip_prefix("UPSTREAM_") else {
                         return Err(bad("unknown setting"));
