@@ -202,9 +202,10 @@ impl Drop for ProxyProcess {
     }
 }
 
-fn peak_rss_kib(pid: u32) -> Option<u64> {
+/// `VmHWM` (peak) or `VmRSS` (now) of a process, in KiB.
+fn rss_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
@@ -288,6 +289,12 @@ async fn bench() {
         ms(pf50.saturating_sub(df50)), ms(pf99.saturating_sub(df99)), ms(dt99), ms(pt99), ds.errors, ps.errors
     );
 
+    let steady_peak = rss_kib(proxy_proc.0.id(), "VmHWM:");
+    println!(
+        "proxy peak RSS after the 1,000/s phases: {} MiB",
+        steady_peak.map_or("?".into(), |k| format!("{:.1}", k as f64 / 1024.0))
+    );
+
     println!("highest rate with p99 under 5 ms (1 KiB JSON, 1 s per step):");
     let mut best = [0.0f64; 2];
     for (i, base) in [&direct, &proxied].into_iter().enumerate() {
@@ -346,6 +353,7 @@ async fn bench() {
         "closed_loop_64": {"direct_rps": drps, "proxy_rps": prps, "ratio": ratio,
                             "errors_direct": derr, "errors_proxy": perr},
         "proxy_peak_rss_mib": rss.map(|k| k as f64 / 1024.0),
+        "proxy_peak_rss_after_1000rps_mib": steady_peak.map(|k| k as f64 / 1024.0),
     });
     let out = dir.join("proxy.json");
     std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json")).expect("write");

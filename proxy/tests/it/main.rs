@@ -7,5 +7,6 @@ mod bad_input;
 mod forwarding;
 mod ops;
 mod retries;
+mod secrets;
 mod streams;
 mod tenants;
