@@ -327,9 +327,9 @@ async fn bench() {
         "  direct {drps:.0} /s, proxy {prps:.0} /s, ratio {ratio:.3} | errors {derr} / {perr}"
     );
 
-    let rss = peak_rss_kib(proxy_proc.0.id());
+    let rss = rss_kib(proxy_proc.0.id(), "VmHWM:");
     println!(
-        "proxy peak RSS: {} MiB",
+        "proxy peak RSS over the run (overload steps included): {} MiB",
         rss.map_or("?".into(), |k| format!("{:.1}", k as f64 / 1024.0))
     );
     drop(proxy_proc);

@@ -42,6 +42,9 @@ pub const FALLBACK: &str = "x-llm-retry-fallback";
 /// Response header: why the proxy stopped retrying, when it gave up.
 pub const GAVE_UP: &str = "x-llm-retry-gave-up";
 
+/// How long a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A configured proxy, ready to serve.
 #[derive(Clone, Debug)]
 pub struct Proxy {
@@ -133,7 +136,13 @@ impl Proxy {
         shutdown: impl Future<Output = ()>,
     ) -> io::Result<()> {
         let graceful = GracefulShutdown::new();
-        let builder = auto::Builder::new(TokioExecutor::new());
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        // A client that does not finish sending its headers in time is dropped, so idle
+        // connections cannot pile up.
+        builder
+            .http1()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
         let mut conns = JoinSet::new();
         tokio::pin!(shutdown);
         loop {

@@ -67,7 +67,10 @@ async fn no_credential_is_ever_logged_even_at_trace() {
 
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     assert!(text.contains("request"), "nothing was captured");
-    assert!(!text.contains("SECRET"), "a credential reached the logs:\n{text}");
+    assert!(
+        !text.contains("SECRET"),
+        "a credential reached the logs:\n{text}"
+    );
     assert!(!h.proxy.metrics().render().contains("SECRET"));
     let _ = std::fs::remove_file(&keys);
 }
@@ -89,14 +92,22 @@ fn check_config_prints_the_resolved_config_masked() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("client_token = \"***\""), "{stdout}");
     assert!(stdout.contains("max_retries = 4"), "{stdout}");
     assert!(stdout.contains("listen = \"127.0.0.1:8787\""), "{stdout}");
     assert!(!stdout.contains("SECRET"));
 
     let bad = dir.join("bad.toml");
-    std::fs::write(&bad, "[[upstream]]\nname = \"a\"\nurl = \"http://x\"\nretries = 3\n").unwrap();
+    std::fs::write(
+        &bad,
+        "[[upstream]]\nname = \"a\"\nurl = \"http://x\"\nretries = 3\n",
+    )
+    .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
         .args(["--check-config", "--config"])
         .arg(&bad)
@@ -104,6 +115,9 @@ fn check_config_prints_the_resolved_config_masked() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("bad.toml") && stderr.contains("retries"), "{stderr}");
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("retries"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
