@@ -130,3 +130,37 @@ async fn the_drain_deadline_cuts_what_is_left() {
         "{took:?}"
     );
 }
+
+/// The binary itself: `--demo` starts and prints how to use it; SIGTERM drains and exits 0.
+#[cfg(unix)]
+#[test]
+fn the_binary_stops_cleanly_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
+        .args(["--demo", "--listen", "127.0.0.1:0"])
+        .env("LLM_RETRY_PROXY_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let printed: Vec<String> = lines.by_ref().take(9).map(Result::unwrap).collect();
+    let text = printed.join("\n");
+    assert!(
+        text.contains("export ANTHROPIC_BASE_URL=http://127.0.0.1:"),
+        "{text}"
+    );
+    assert!(
+        text.contains("export OPENAI_BASE_URL=http://127.0.0.1:"),
+        "{text}"
+    );
+    assert!(text.contains("curl"), "{text}");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = child.wait().unwrap();
+    assert!(exited.success(), "{exited:?}");
+}

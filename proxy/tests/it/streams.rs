@@ -146,3 +146,31 @@ async fn a_cut_mid_event_is_closed_before_the_error_event() {
     );
     assert!(end.is_err());
 }
+
+#[tokio::test(start_paused = true)]
+async fn over_http2_a_cut_after_output_is_the_error_event_then_a_reset_stream() {
+    let events = anthropic_partial();
+    let h = start(Script::always(Reply::sse_then_reset(events.clone()))).await;
+    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+    tcp.set_nodelay(true);
+    let h2: hyper_util::client::legacy::Client<_, Full<Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build(tcp);
+    let req = h
+        .post("/v1/messages", MESSAGES_STREAM)
+        .body(Full::from(MESSAGES_STREAM))
+        .unwrap();
+    let res = h2.request(req).await.unwrap();
+    assert_eq!(res.version(), http::Version::HTTP_2);
+    let (frames, end) = frames(res).await;
+    let (event, _) = tail_event(&joined(&frames), &concat(&events));
+    assert_eq!(event.as_deref(), Some("error"));
+    assert!(end.is_err(), "the stream was not reset");
+    // The connection itself lives on for other streams.
+    let req = h
+        .post("/v1/messages", MESSAGES)
+        .body(Full::from(MESSAGES))
+        .unwrap();
+    let _ = h2.request(req).await.unwrap();
+}
