@@ -202,6 +202,17 @@ impl Drop for ProxyProcess {
     }
 }
 
+/// CPU time (user + system) a process has used, from `/proc/{pid}/stat`.
+fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on Linux.
+    Some(Duration::from_millis(ticks * 10))
+}
+
 /// `VmHWM` (peak) or `VmRSS` (now) of a process, in KiB.
 fn rss_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -321,10 +332,16 @@ async fn bench() {
 
     println!("closed loop, 64 connections, 1 KiB JSON, 3 s:");
     let (drps, derr) = closed_loop(&direct, JSON_BODY, 64, 3.0).await;
+    let cpu0 = cpu_time(proxy_proc.0.id());
     let (prps, perr) = closed_loop(&proxied, JSON_BODY, 64, 3.0).await;
+    let cpu_per_request_us = match (cpu0, cpu_time(proxy_proc.0.id())) {
+        (Some(a), Some(b)) if prps > 0.0 => Some((b - a).as_secs_f64() * 1e6 / (prps * 3.0)),
+        _ => None,
+    };
     let ratio = prps / drps;
     println!(
-        "  direct {drps:.0} /s, proxy {prps:.0} /s, ratio {ratio:.3} | errors {derr} / {perr}"
+        "  direct {drps:.0} /s, proxy {prps:.0} /s, ratio {ratio:.3} | errors {derr} / {perr} | proxy CPU per request {} µs",
+        cpu_per_request_us.map_or("?".into(), |u| format!("{u:.1}"))
     );
 
     let rss = rss_kib(proxy_proc.0.id(), "VmHWM:");
@@ -351,6 +368,7 @@ async fn bench() {
         },
         "max_rate_p99_under_5ms": {"direct": best[0], "proxy": best[1]},
         "closed_loop_64": {"direct_rps": drps, "proxy_rps": prps, "ratio": ratio,
+                            "proxy_cpu_us_per_request": cpu_per_request_us,
                             "errors_direct": derr, "errors_proxy": perr},
         "proxy_peak_rss_mib": rss.map(|k| k as f64 / 1024.0),
         "proxy_peak_rss_after_1000rps_mib": steady_peak.map(|k| k as f64 / 1024.0),

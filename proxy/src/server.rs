@@ -412,6 +412,11 @@ impl State {
                     .and_then(|v| v.to_str().ok())
                     .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
                 let style = sse.then(|| StreamStyle::for_route(kind, &path));
+                if sse {
+                    // The stream may end with an error event of the proxy's: its length is
+                    // not the upstream's to state.
+                    head.headers.remove(CONTENT_LENGTH);
+                }
                 let metrics = self.metrics.clone();
                 let name = up.name.clone();
                 let on_abort: crate::body::OnAbort =
