@@ -74,6 +74,7 @@ async fn run(mut config: Config, demo: bool) -> Result<(), Box<dyn std::error::E
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
     let proxy = Proxy::new(config)?;
+    let shutdown = shutdown_signal()?;
     tracing::info!(%addr, "listening");
     if let Some(mock) = &mock {
         println!(
@@ -93,29 +94,31 @@ async fn run(mut config: Config, demo: bool) -> Result<(), Box<dyn std::error::E
             "Every third request the mock sees is overloaded first: see x-llm-retry-attempts."
         );
     }
-    proxy.serve(listener, shutdown_signal()).await?;
+    proxy.serve(listener, shutdown).await?;
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or ctrl-c. The handlers are installed here, at once, before anything
+/// says the proxy is up: a signal sent right after must not find the default action.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {},
-                    _ = tokio::signal::ctrl_c() => {},
-                }
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = int.recv() => {},
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+            tracing::info!("signal received");
+        })
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
     }
 }
 

@@ -163,16 +163,17 @@ impl StackFactory {
     pub fn build(&self) -> Result<Stack, ConfigError> {
         let up = &self.upstream;
         let metrics = self.metrics.clone();
-        let name = up.name.clone();
+        let name: Arc<str> = Arc::from(up.name.as_str());
         let gate = up.gate;
         let client = self.client.clone();
         let timed = tower::service_fn(move |req: Request<ReplayBody>| {
-            let client = client.clone();
+            // `request` borrows the client only to start: no clone per attempt.
+            let start = Instant::now();
+            let sent = client.request(req);
             let metrics = metrics.clone();
             let name = name.clone();
             async move {
-                let start = Instant::now();
-                let res = client.request(req).await;
+                let res = sent.await;
                 let took = start.elapsed();
                 let closes_gate = gate
                     && res.as_ref().is_ok_and(|r| {
