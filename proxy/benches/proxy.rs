@@ -313,21 +313,31 @@ async fn bench() {
         steady_peak.map_or("?".into(), |k| format!("{:.1}", k as f64 / 1024.0))
     );
 
-    println!("highest rate with p99 under 5 ms (1 KiB JSON, 1 s per step):");
+    println!(
+        "highest rate with p99 under 5 ms (1 KiB JSON, 1 s per step, a failed step run twice):"
+    );
     let mut best = [0.0f64; 2];
     for (i, base) in [&direct, &proxied].into_iter().enumerate() {
         for rate in [
             1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 8000.0, 10000.0,
         ] {
-            let mut r = open_loop(&c, base, JSON_BODY, rate, 1.0).await;
-            let p99 = pct(&mut r.total, 0.99);
-            let ok = p99 < Duration::from_millis(5) && r.errors == 0;
-            println!(
-                "  {} {rate:>6} /s: p99 {:.3} ms, errors {}",
-                ["direct", "proxy "][i],
-                ms(p99),
-                r.errors
-            );
+            // A step on a machine shared with other work can fail by accident: a failed step
+            // is run once more before the search stops.
+            let mut ok = false;
+            for _ in 0..2 {
+                let mut r = open_loop(&c, base, JSON_BODY, rate, 1.0).await;
+                let p99 = pct(&mut r.total, 0.99);
+                ok = p99 < Duration::from_millis(5) && r.errors == 0;
+                println!(
+                    "  {} {rate:>6} /s: p99 {:.3} ms, errors {}",
+                    ["direct", "proxy "][i],
+                    ms(p99),
+                    r.errors
+                );
+                if ok {
+                    break;
+                }
+            }
             if !ok {
                 break;
             }
