@@ -145,6 +145,14 @@ async fn after_giving_up_the_proxy_tells_the_sdk_not_to_retry() {
     assert_eq!(header(&res, "x-llm-retry-gave-up"), Some("max_retries"));
     assert_eq!(json(res).await["error"]["type"], "overloaded_error");
     assert_eq!(h.mock.request_count(), 3);
+    let m = h.proxy.metrics().render();
+    for line in [
+        "llm_retry_proxy_give_ups_total{upstream=\"anthropic\",reason=\"max_retries\"} 1",
+        "llm_retry_proxy_retries_total{upstream=\"anthropic\",class=\"overloaded\"} 2",
+        "llm_retry_proxy_requests_total{upstream=\"anthropic\",status=\"529\"} 1",
+    ] {
+        assert!(m.contains(line), "missing {line}:\n{m}");
+    }
 }
 
 #[tokio::test(start_paused = true)]

@@ -174,3 +174,19 @@ async fn over_http2_a_cut_after_output_is_the_error_event_then_a_reset_stream() 
         .unwrap();
     let _ = h2.request(req).await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_json_body_cut_after_the_head_is_an_aborted_response_not_a_short_one() {
+    let h = start(Script::always(Reply::reset_mid_body(
+        200,
+        &br#"{"id":"msg_1","content":[{"#[..],
+    )))
+    .await;
+    let res = h.messages(MESSAGES).await;
+    assert_eq!(res.status(), 200);
+    let (frames, end) = frames(res).await;
+    assert!(end.is_err(), "a cut JSON body must not end cleanly");
+    // Nothing was added to a JSON body: only the upstream's bytes.
+    assert!(joined(&frames).starts_with(b"{\"id\":\"msg_1\""));
+    assert!(!String::from_utf8_lossy(&joined(&frames)).contains("event: error"));
+}

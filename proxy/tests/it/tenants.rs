@@ -63,6 +63,11 @@ async fn one_tenants_rate_limit_and_gate_do_not_delay_another() {
         "{a_times:?}"
     );
     assert_eq!(h.proxy.tenant_count(), 2);
+    let m = h.proxy.metrics().render();
+    assert!(
+        m.contains("llm_retry_proxy_gate_closures_total{upstream=\"anthropic\"} 1"),
+        "{m}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
