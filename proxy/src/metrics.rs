@@ -120,7 +120,7 @@ impl Metrics {
         );
         r.register(
             "gate_closures",
-            "Upstream answers that close the cooldown gate (429/529 with Retry-After, gate on)",
+            "Attempts answered 429/529 with Retry-After while the cooldown gate is on",
             m.gate_closures.clone(),
         );
         r.register(

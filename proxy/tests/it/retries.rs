@@ -265,3 +265,36 @@ async fn a_proxy_held_key_is_swapped_on_401() {
     assert!(!h.mock.requests()[2].headers.contains_key("authorization"));
     let _ = std::fs::remove_file(&keys);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_held_key_rotates_to_the_next_at_once() {
+    let keys = std::env::temp_dir().join(format!("llm-retry-proxy-rotate-{}", std::process::id()));
+    std::fs::write(&keys, "sk-first,sk-second").unwrap();
+    let k = keys.clone();
+    let script = Script::new().when(|req| {
+        (req.headers
+            .get("x-api-key")
+            .is_some_and(|v| v == "sk-first"))
+        .then(|| Reply::rate_limited("30"))
+    });
+    let h = start_with(script, move |c| {
+        c.client_token = Some(tower_llm_retry_proxy::config::Secret::new("proxy-token"));
+        c.upstream[0].keys_file = Some(k);
+    })
+    .await;
+    let req = http::Request::post(h.url("/v1/messages"))
+        .header("x-api-key", "proxy-token")
+        .body(Full::from(MESSAGES))
+        .unwrap();
+    let res = h.send(req).await;
+    assert_eq!(res.status(), 200);
+    let used: Vec<_> = h
+        .mock
+        .requests()
+        .iter()
+        .map(|r| r.headers["x-api-key"].to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(used, ["sk-first", "sk-second"]);
+    assert_eq!(gaps(&h), [Duration::ZERO]);
+    let _ = std::fs::remove_file(&keys);
+}
