@@ -202,6 +202,14 @@ impl Metrics {
             .inc();
     }
 
+    pub(crate) fn client_retry_refused(&self, upstream: &str) {
+        self.budget_refusals
+            .get_or_create(&Up {
+                upstream: upstream.into(),
+            })
+            .inc();
+    }
+
     pub(crate) fn stream_abort(&self, upstream: &str, kind: &str) {
         self.stream_aborts
             .get_or_create(&Reason {

@@ -353,8 +353,8 @@ impl State {
                 .insert(up.apply_timeouts(p.policy()));
         }
 
-        let stack = match self.tenants.get(route.upstream, tenant, factory) {
-            Ok(s) => s,
+        let tenant = match self.tenants.get(route.upstream, tenant, factory) {
+            Ok(t) => t,
             Err(e) => {
                 tracing::error!(error = %e, upstream = %up.name, "cannot build the stack");
                 return self.reject(
@@ -364,6 +364,28 @@ impl State {
                 );
             }
         };
+        // An SDK's retry of the proxy is a retry: it draws on the tenant's client budget,
+        // which the other requests pay into, instead of starting a loop of its own.
+        if let Some(budget) = &tenant.client_budget {
+            use tower::retry::budget::Budget;
+            if mode == Mode::ClientRetry {
+                if !budget.withdraw() {
+                    self.metrics.client_retry_refused(&up.name);
+                    let mut res = self.reject(
+                        kind,
+                        Reject::Budget,
+                        "the retry budget is spent: this client retry is not sent",
+                    );
+                    res.headers_mut()
+                        .insert("x-should-retry", HeaderValue::from_static("false"));
+                    res.headers_mut().insert(ATTEMPTS, HeaderValue::from(0u32));
+                    return res;
+                }
+            } else {
+                budget.deposit();
+            }
+        }
+        let stack = tenant.stack;
         let path = route
             .path_and_query
             .split('?')

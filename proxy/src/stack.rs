@@ -20,6 +20,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::RootCertStore;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_llm_retry::{
@@ -261,8 +262,25 @@ impl TenantId {
 }
 
 struct Entry {
-    stack: Stack,
+    tenant: Tenant,
     used: u64,
+}
+
+/// One tenant of one upstream: its stack, and the budget its clients' own retries draw on.
+#[derive(Clone)]
+pub struct Tenant {
+    /// The retry stack, with its own budget, gate and pacing.
+    pub stack: Stack,
+    /// What an SDK's retry of the proxy (`x-stainless-retry-count` > 0) is charged to: the
+    /// same parameters as the stack's budget, fed by the requests that are not such retries.
+    /// `None` when the upstream's budget is off.
+    pub client_budget: Option<Arc<TpsBudget>>,
+}
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenant").finish_non_exhaustive()
+    }
 }
 
 /// A use counter (for least-recently-used eviction) and the stacks.
@@ -298,29 +316,36 @@ impl Tenants {
         upstream: usize,
         tenant: TenantId,
         factory: &StackFactory,
-    ) -> Result<Stack, ConfigError> {
+    ) -> Result<Tenant, ConfigError> {
         let mut guard = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         let (clock, map) = &mut *guard;
         *clock += 1;
         let now = *clock;
         if let Some(e) = map.get_mut(&(upstream, tenant)) {
             e.used = now;
-            return Ok(e.stack.clone());
+            return Ok(e.tenant.clone());
         }
         if map.len() >= self.max {
             if let Some(oldest) = map.iter().min_by_key(|(_, e)| e.used).map(|(k, _)| *k) {
                 map.remove(&oldest);
             }
         }
-        let stack = factory.build()?;
+        let built = Tenant {
+            stack: factory.build()?,
+            client_budget: factory
+                .upstream
+                .fleet()
+                .0
+                .map(|b| Arc::new(TpsBudget::new(b.ttl(), b.min_per_sec(), b.retry_ratio()))),
+        };
         map.insert(
             (upstream, tenant),
             Entry {
-                stack: stack.clone(),
+                tenant: built.clone(),
                 used: now,
             },
         );
-        Ok(stack)
+        Ok(built)
     }
 
     /// How many stacks are kept.

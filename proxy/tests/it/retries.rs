@@ -298,3 +298,38 @@ async fn a_rate_limited_held_key_rotates_to_the_next_at_once() {
     assert_eq!(gaps(&h), [Duration::ZERO]);
     let _ = std::fs::remove_file(&keys);
 }
+
+#[tokio::test(start_paused = true)]
+async fn sdk_retries_draw_on_the_tenants_budget() {
+    let h = start(Script::always(Reply::overloaded())).await;
+    // No first attempt has paid in: only the budget's reserve is there.
+    let allowed = tower_llm_retry::BudgetConfig::default().max_retries(0) as usize;
+    assert!(allowed > 0);
+    let retry = || {
+        h.post("/v1/messages", MESSAGES)
+            .header("x-stainless-retry-count", "2")
+            .body(Full::from(MESSAGES))
+            .unwrap()
+    };
+    for _ in 0..allowed {
+        let res = h.send(retry()).await;
+        assert_eq!(res.status(), 529);
+        let _ = res.into_body().collect().await;
+    }
+    assert_eq!(h.mock.request_count(), allowed);
+    let res = h.send(retry()).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(header(&res, "x-should-retry"), Some("false"));
+    assert_eq!(header(&res, "x-llm-retry-error"), Some("budget"));
+    assert_eq!(
+        h.mock.request_count(),
+        allowed,
+        "a refused client retry was sent"
+    );
+    // Another tenant's budget is its own.
+    let mut other = retry();
+    other
+        .headers_mut()
+        .insert("x-api-key", "sk-other".parse().unwrap());
+    assert_eq!(h.send(other).await.status(), 529);
+}
