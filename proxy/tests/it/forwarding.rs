@@ -204,3 +204,37 @@ async fn https_and_http2_upstream() {
     assert_eq!(sha256(&seen.body), sha256(MESSAGES.as_bytes()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(start_paused = true)]
+async fn several_upstreams_of_one_kind_by_prefix_and_a_base_path() {
+    let primary = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let gateway = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let mut config = config_for(&primary);
+    let mut eu = tower_llm_retry_proxy::Upstream::new(
+        "eu",
+        tower_llm_retry_proxy::Kind::Anthropic,
+        &format!("{}/corp/llm", gateway.url("").trim_end_matches('/')),
+    );
+    eu.prefix = Some("/eu".into());
+    config.upstream.push(eu);
+    let h = serve(primary, config).await;
+    let res = h.messages(MESSAGES).await;
+    assert_eq!(res.status(), 200);
+    let req = h
+        .post("/eu/v1/messages?x=1", MESSAGES)
+        .body(Full::from(MESSAGES))
+        .unwrap();
+    assert_eq!(h.send(req).await.status(), 200);
+    assert_eq!(h.mock.request_count(), 1);
+    let seen = gateway.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].uri.path_and_query().unwrap().as_str(),
+        "/corp/llm/v1/messages?x=1"
+    );
+    assert_eq!(sha256(&seen[0].body), sha256(MESSAGES.as_bytes()));
+}
