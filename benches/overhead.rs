@@ -223,7 +223,9 @@ fn in_memory(c: &mut Criterion) {
         });
         if case == "full_1k" {
             // What the retry budget's bookkeeping adds (a lock and a clock read per request).
-            let mut no_budget = RetryLayer::new().budget(None).layer(Upstream);
+            let mut no_budget = RetryLayer::new()
+                .fleet(tower_llm_retry::Fleet::builder().budget(None).build())
+                .layer(Upstream);
             group.bench_function("ours_without_budget", |b| {
                 b.iter(|| call(&mut no_budget, request(Full::new(data.clone()))))
             });

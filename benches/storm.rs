@@ -42,8 +42,8 @@
 //! - `default`: this crate's `RetryLayer::new()` as shipped (default policy, retry budget on,
 //!   cooldown gate off).
 //! - `default_gate_budget`: the same with the fleet features on: the cooldown gate and the
-//!   adaptive pacing (`.cooldown_gate(Some(GateConfig::default()))`,
-//!   `.pacing(Some(PacingConfig::default()))`), budget as shipped.
+//!   adaptive pacing (`Fleet::builder().cooldown_gate(Some(GateConfig::default()))
+//!   .pacing(Some(PacingConfig::default()))`), budget as shipped.
 //!
 //! This crate's rows drive the real `RetryLayer` over an in-memory `tower::Service` that is the
 //! simulated server, so the budget and the gate run for real; every client clones one service.
@@ -72,7 +72,7 @@ use tower::util::rng::HasherRng;
 use tower::{Layer, Service, ServiceExt};
 use tower_llm_retry::retry::Random;
 use tower_llm_retry::{
-    AttemptContext, BudgetConfig, GateConfig, PacingConfig, ReplayBody, Retry, RetryLayer,
+    AttemptContext, BudgetConfig, Fleet, GateConfig, PacingConfig, ReplayBody, Retry, RetryLayer,
     RetryPolicy,
 };
 
@@ -387,7 +387,8 @@ impl Service<Request<ReplayBody>> for SimService {
         let attempt = req
             .extensions()
             .get::<AttemptContext>()
-            .map(|c| c.attempt)
+            // Counted from 1; the simulation counts retries from 0.
+            .map(|c| c.attempt - 1)
             .or_else(|| req.extensions().get::<TowerAttempt>().map(|a| a.0))
             .unwrap_or(0);
         let reply = self.0.decide(attempt);
@@ -523,9 +524,13 @@ impl Runner {
             Policy::DefaultGateBudget => Runner::Layer(
                 RetryLayer::new()
                     .policy(ours())
-                    .budget(Some(BudgetConfig::default()))
-                    .cooldown_gate(Some(GateConfig::default()))
-                    .pacing(Some(PacingConfig::default()))
+                    .fleet(
+                        Fleet::builder()
+                            .budget(Some(BudgetConfig::default()))
+                            .cooldown_gate(Some(GateConfig::default()))
+                            .pacing(Some(PacingConfig::default()))
+                            .build(),
+                    )
                     .layer(SimService(sim.clone())),
             ),
         }

@@ -18,7 +18,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthOutcome, RefreshingToken, Token};
 use tower_llm_retry::mock::{MockServer, RecordedRequest, Reply, Script};
 use tower_llm_retry::{
-    AuthLayer, ContextOverflow, ContextOverflowLayer, ModelFallbackLayer, ModelUsed,
+    AuthLayer, ContextOverflowLayer, ContextWindowExceeded, ModelFallbackLayer, ModelUsed,
     OverflowRepaired, ReplayBody, RetryLayer, RetryPolicy, RetryTrail,
 };
 
@@ -99,7 +99,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                 "           overflow   max_tokens lowered from {from} to {to} and re-sent at once"
             );
         }
-        if let Some(overflow) = ext.get::<ContextOverflow>() {
+        if let Some(overflow) = ext.get::<ContextWindowExceeded>() {
             println!(
                 "           overflow   the prompt does not fit ({} tokens, limit {}): compact it",
                 overflow.input_tokens.unwrap_or_default(),

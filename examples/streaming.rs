@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::{
     ReplayBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy, RetryTrail, StreamCommitted,
 };
@@ -39,10 +39,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let start = Instant::now();
     let failing = vec![
         sse::anthropic_message(&[])[0].clone(), // message_start
-        SseEvent::new("ping", r#"{"type": "ping"}"#),
+        SseFrame::new("ping", r#"{"type": "ping"}"#),
         sse::anthropic_error("overloaded_error").after(Duration::from_millis(100)),
     ];
-    let good: Vec<SseEvent> = sse::anthropic_message(&["Streams ", "survive ", "overloads."])
+    let good: Vec<SseFrame> = sse::anthropic_message(&["Streams ", "survive ", "overloads."])
         .into_iter()
         .map(|e| e.after(Duration::from_millis(150)))
         .collect();

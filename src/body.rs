@@ -263,7 +263,7 @@ impl Held {
 
 /// Takes `body` as a [`ReplayBody`] when that is what it is, so a layer inside
 /// [`RetryLayer`](crate::RetryLayer) reuses the bytes it buffered instead of reading them again.
-fn as_replay_body<B: 'static>(body: B) -> Result<ReplayBody, B> {
+pub(crate) fn as_replay_body<B: 'static>(body: B) -> Result<ReplayBody, B> {
     let mut slot = Some(body);
     match (&mut slot as &mut dyn Any).downcast_mut::<Option<ReplayBody>>() {
         Some(replay) => Ok(replay.take().expect("the slot was just filled")),
@@ -307,11 +307,23 @@ where
 {
     pub(crate) fn new(body: B, limit: usize) -> Self {
         match as_replay_body(body) {
-            Ok(body) => PrepareBody::Ready { body: Some(body) },
-            Err(body) if body.size_hint().lower() > limit as u64 => PrepareBody::Ready {
+            Ok(body) => PrepareBody::replay(body),
+            Err(body) => PrepareBody::read(body, limit),
+        }
+    }
+
+    /// A body that is a [`ReplayBody`] already.
+    pub(crate) fn replay(body: ReplayBody) -> Self {
+        PrepareBody::Ready { body: Some(body) }
+    }
+
+    /// Any other body, read under `limit`.
+    pub(crate) fn read(body: B, limit: usize) -> Self {
+        match body {
+            body if body.size_hint().lower() > limit as u64 => PrepareBody::Ready {
                 body: Some(ReplayBody::streaming(StreamingData { inner: body })),
             },
-            Err(body) => PrepareBody::Collecting {
+            body => PrepareBody::Collecting {
                 body: Limited::new(body, limit),
                 first: None,
                 rest: Vec::new(),

@@ -414,7 +414,7 @@ impl std::error::Error for TimedOut {}
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct AttemptRecord {
-    /// Which attempt this was: 0 for the first, 1 for the first retry, and so on.
+    /// Which attempt this was: 1 for the first, 2 for the first retry, and so on.
     pub attempt: u32,
     /// How the failure was classified.
     pub class: FailureClass,

@@ -37,7 +37,7 @@
 //! say when they fail: `429` with `Retry-After` in milliseconds, seconds or as an HTTP-date,
 //! `529` and `overloaded_error`, `x-should-retry`, exhausted quotas (not worth a retry), and
 //! `401` / context-overflow `400`s (left to dedicated layers). See [`classify`] for the full
-//! table and [`retry`] for the loop.
+//! table, [`retry`] for the loop and [`stream`] for streamed responses.
 //!
 //! Three companion layers go inside it, each in its own module:
 //!
@@ -56,7 +56,8 @@
 //!
 //! The two that rewrite the body change one top-level JSON value and leave every other byte as
 //! it was ([`json_edit`]), so prompt caches still match. Each also works on its own, buffering
-//! the body itself.
+//! the body itself. Their re-sends happen within one `RetryLayer` attempt, so they are not
+//! counted as retries.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -80,45 +81,98 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Two layers for agents go *outside* it, so that each of their requests is retried on its own:
+//! [`ContinuationLayer`] ([`continuation`]) continues an answer cut at `max_tokens` with
+//! append-only follow-ups, and [`McpGateLayer`] ([`mcp`]) keeps MCP tool calls that are not
+//! idempotent from running twice.
+//!
 //! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
 //! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
-//! while the server has said "come back at T" and releases them spread out. See [`fleet`].
+//! while the server has said "come back at T" and an adaptive pacing that spreads attempts at
+//! the rate the server admits. Several layers share them when given one [`Fleet`]. See
+//! [`fleet`].
 //!
 //! # Defaults
 //!
-//! | setting | default |
-//! |---|---|
-//! | retries | 10 |
-//! | backoff | 0.5 s doubling to 32 s, plus 0–25 % jitter |
-//! | `Retry-After` | honoured as sent up to 60 s; above, the response is returned without retry |
-//! | body buffering cap | 32 MiB (each layer) |
-//! | error-body peek | 64 KiB (each layer) |
-//! | model fallback | after 3 consecutive overloads; not sticky; rewrite mode |
-//! | `max_tokens` repair | `max(3,000, limit − input − 1,000)`, at least `thinking.budget_tokens + 1`; once, at once |
-//! | token refresh | ahead of expiry: advisory 120 s, mandatory 30 s; after a failure, 1 s doubling to 30 s |
-//! | rate-limited pool key | rests for the `Retry-After`, or 5 s without one |
-//! | retry budget, shared by the layer's services | on: 10 retries/s plus 20 % of first attempts, over 10 s |
-//! | cooldown gate, shared by the layer's services | off ([`RetryLayer::cooldown_gate`]) |
-//! | adaptive pacing, shared by the layer's services | off ([`RetryLayer::pacing`]) |
+//! Each module lists its own settings, with their defaults and the method that changes each:
+//!
+//! - the retry loop (retries, backoff, jitter, `Retry-After`, timeouts, deadline, body and
+//!   peek limits, the SSE gate): [`retry`](retry#defaults); the presets: [`RetryPolicy`];
+//! - the retry budget, the cooldown gate and the pacing: [`fleet`](fleet#configuration);
+//! - the companion layers: [`fallback`](fallback#configuration), [`overflow`](overflow#configuration),
+//!   [`auth`](auth#credential-sources), [`continuation`], [`mcp`].
+//!
+//! # Conventions
+//!
+//! - **Attempts** are numbered from 1; what counts retries says so and counts from 0
+//!   ([attempt numbers](retry#attempt-numbers)).
+//! - **Configuration** types are built by chained setters named after the setting
+//!   (`max_retries(n)`); the getter of a setting is `get_` and its name (`get_max_retries()`),
+//!   for every setting. A setter returns `Result<Self, ConfigError>` exactly when its value
+//!   can be wrong on its own (a multiplier below 1, a jitter fraction above 1, an empty
+//!   fallback chain), and fails at that call, naming the setting. Two settings that bound each
+//!   other never fail: the bound wins (an `initial_backoff` above `max_backoff` backs off by
+//!   `max_backoff`).
+//! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
+//!   `x::ResponseFuture`.
+//! - Every public type is re-exported at the crate root, except the modules' futures and the
+//!   [`mock`] server.
+//!
+//! # Results and errors
+//!
+//! - A request that ends with an HTTP response returns it (also when retries ran out, as
+//!   `tower::retry` does), with a [`RetryTrail`] extension whenever any attempt failed: per
+//!   attempt its class, status, `Retry-After`, sleep, error chain and elapsed time, plus why the
+//!   loop stopped ([`GiveUpReason`]).
+//! - Otherwise the error is one opaque [`Error`]; [`Error::kind`] says what happened
+//!   ([`ErrorKind`] lists every kind, each with when it occurs), [`Error::trail`] gives the
+//!   attempts, and `source()` the cause. Which give-up ends in which kind is in
+//!   [`retry`](retry#after-the-verdict).
+//! - An error that [`AuthLayer`] or [`ModelFallbackLayer`] ends a request with
+//!   ([`ErrorKind::TokenRefresh`], [`ErrorKind::FallbackTriggered`]) reaches the caller as it
+//!   is, with the trail added.
+//! - The response body ([`RetryBody`]) fails with a typed [`Error`] too:
+//!   [`ErrorKind::ResponseBody`] (the connection failed mid-body; the transport error is the
+//!   source), [`ErrorKind::IdleTimeout`] or [`ErrorKind::IncompleteStream`].
+//! - The companion layers' error type is [`BoxError`]: the inner service's errors pass through
+//!   untouched, and their own are an [`Error`], to downcast.
+//! - A body whose `size_hint` says up front that it exceeds the buffer cap is sent once,
+//!   streaming, and never retried, still under the head timeout, the deadline and the fleet's
+//!   admission. One that only turns out too large while it is read fails with
+//!   [`ErrorKind::BodyTooLarge`], and nothing is sent.
+//!
+//! # Observability
+//!
+//! - A `tracing` span `llm_retry.attempt` per physical attempt, with OpenTelemetry field names
+//!   (`otel.kind = "client"`, `http.request.method`, `server.address`,
+//!   `http.request.resend_count` on retries, `http.response.status_code`, `error.type`,
+//!   `gen_ai.request.model`). An `INFO` event before each retry, a `WARN` event on giving up.
+//!   `cargo run --example otel_tracing` prints them.
+//! - [`RetryObserver`]: `on_retry(&RetryEvent)` before each sleep, `on_recovered(total_attempts)`,
+//!   `on_give_up(&RetryTrail)`.
+//! - The companion layers log `INFO` events when they act (a refresh after `401`, a key
+//!   rotation, a fallback model, a `max_tokens` repair); [`ModelFallbackLayer`] opens an
+//!   `llm_fallback` span per call with `gen_ai.request.model` and `gen_ai.response.model`.
+//! - Credentials never appear in a span, event, `Debug` output or error message (tested with a
+//!   `TRACE`-level subscriber).
 //!
 //! # Features
 //!
-//! | feature | what it adds |
-//! |---|---|
-//! | `http2` (default) | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]) |
-//! | `mock` | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS |
-//! | `reqwest` | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
-//! | `reqwest-middleware` | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` |
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `http2` | yes | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]), read from `h2`, already in any HTTP/2 client's tree |
+//! | `hyper-util` | yes | hyper-util's legacy client errors raised while connecting count as "never sent" ([`classify::request_not_sent`]), so even a `NotReplaySafe` request is retried after them; already in the tree of hyper-util and reqwest users |
+//! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
+//! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
+//! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
 //!
 //! # Where it plugs in
 //!
-//! - hyper-util's legacy `Client` is a `Service<Request<ReplayBody>>` as it is (example
-//!   `hyper_client`).
-//! - reqwest: wrap the client in [`reqwest::ReqwestService`], or add
-//!   [`reqwest_middleware::RetryMiddleware`] to a `reqwest_middleware::ClientBuilder`
-//!   (examples `reqwest_client`, `reqwest_middleware`).
-//! - axum: keep the stack in the router state as a `tower::util::BoxCloneSyncService` and
-//!   forward to it from a handler, streaming the response back (example `axum_proxy`).
+//! The inner service is anything that implements `Service<http::Request<ReplayBody>>` and
+//! returns `http::Response`s: hyper-util's legacy `Client` as it is, a `reqwest::Client`
+//! through [`reqwest::ReqwestService`], a `reqwest_middleware` chain through
+//! [`reqwest_middleware::RetryMiddleware`], an axum router. The examples `hyper_client`,
+//! `reqwest_client`, `reqwest_middleware` and `axum_proxy` show each.
 
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -135,6 +189,7 @@ pub mod fleet;
 pub mod json_edit;
 pub mod mcp;
 pub mod overflow;
+mod pipeline;
 pub mod retry;
 pub mod stream;
 mod time;
@@ -150,24 +205,34 @@ pub mod reqwest;
 pub mod reqwest_middleware;
 
 pub use crate::auth::{
-    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, CredentialHeader, RefreshingToken, Token,
-    TokenSource,
+    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, Credential, CredentialFuture,
+    CredentialHeader, InvalidCredential, RefreshingToken, Token, TokenSource,
 };
 pub use crate::body::ReplayBody;
-pub use crate::classify::{Classification, Classify, DefaultClassifier, FailureClass};
+pub use crate::classify::{
+    Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
+};
 pub use crate::continuation::{Continuation, ContinuationLayer, Continued, TruncatedToolCall};
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
     TimedOut, TimeoutKind,
 };
 pub use crate::fallback::{FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed};
-pub use crate::fleet::{BudgetConfig, GateConfig, PacingConfig};
-pub use crate::mcp::{McpGate, McpGateLayer};
+pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
+pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
 pub use crate::overflow::{
-    ContextOverflow, ContextOverflowLayer, ContextOverflowService, OverflowRepaired,
+    ContextOverflow, ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired,
 };
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub use crate::reqwest::ReqwestService;
+#[cfg(feature = "reqwest-middleware")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
+pub use crate::reqwest_middleware::RetryMiddleware;
 pub use crate::retry::{
-    AttemptContext, NoRetry, NotReplaySafe, Retry, RetryBody, RetryEvent, RetryLayer,
-    RetryObserver, RetryPolicy,
+    AboveCeiling, AttemptContext, ConfigError, Jitter, NoRetry, NotReplaySafe, Random, Retry,
+    RetryBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
 };
-pub use crate::stream::{CommitReason, OutputTruncated, StreamCommitted};
+pub use crate::stream::{
+    CommitReason, IncompleteStream, OutputTruncated, SseEvent, StreamCommitted, StreamProtocol,
+};

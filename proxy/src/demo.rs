@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use serde_json::json;
-use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script, SseFrame};
 
 use crate::config::{Config, Kind, Upstream};
 
@@ -75,7 +75,7 @@ pub fn script() -> Script {
                 let mut events = success_events(openai);
                 events.truncate(1);
                 events.push(if openai {
-                    SseEvent::data(r#"{"error":{"message":"Overloaded","type":"server_error","code":"overloaded_error"}}"#)
+                    SseFrame::data(r#"{"error":{"message":"Overloaded","type":"server_error","code":"overloaded_error"}}"#)
                 } else {
                     sse::anthropic_error("overloaded_error")
                 });
@@ -134,7 +134,7 @@ fn rate_limited(openai: bool) -> Reply {
     r.header("retry-after-ms", "50").header("retry-after", "1")
 }
 
-fn success_events(openai: bool) -> Vec<SseEvent> {
+fn success_events(openai: bool) -> Vec<SseFrame> {
     let words = ["Retried ", "through ", "the ", "proxy."];
     if openai {
         sse::openai_chat(&words)
@@ -145,7 +145,7 @@ fn success_events(openai: bool) -> Vec<SseEvent> {
 
 /// Output, but no terminal event: Anthropic's stops before `message_delta`, OpenAI's before
 /// the chunk with a `finish_reason`.
-fn partial_events(openai: bool) -> Vec<SseEvent> {
+fn partial_events(openai: bool) -> Vec<SseFrame> {
     let mut events = success_events(openai);
     let keep = if openai { 3 } else { 4 };
     events.truncate(keep);

@@ -24,8 +24,8 @@ use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_llm_retry::{
-    ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, ModelFallbackLayer,
-    ReplayBody, RetryLayer,
+    ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, Fleet,
+    ModelFallbackLayer, ReplayBody, RetryLayer,
 };
 
 use crate::config::{ConfigError, Kind, Roots, Upstream};
@@ -204,12 +204,15 @@ impl StackFactory {
             inner = boxed(layer.layer(inner));
         }
         let (budget, gate, pacing) = up.fleet();
-        let retry = RetryLayer::new()
-            .policy(up.retry_policy())
-            .body_limit(self.body_limit)
+        let fleet = Fleet::builder()
             .budget(budget)
             .cooldown_gate(gate)
             .pacing(pacing)
+            .build();
+        let retry = RetryLayer::new()
+            .policy(up.retry_policy())
+            .body_limit(self.body_limit)
+            .fleet(fleet)
             .observer(Observer {
                 metrics: self.metrics.clone(),
                 upstream: up.name.clone(),

@@ -204,6 +204,16 @@ impl CredentialFuture {
     }
 }
 
+impl CredentialFuture {
+    /// The result, when it is there without waiting.
+    pub(crate) fn try_ready(&mut self) -> Option<Result<Credential, BoxError>> {
+        match &mut self.kind {
+            FutureKind::Ready(result) => result.take(),
+            FutureKind::Pending(_) => None,
+        }
+    }
+}
+
 impl Future for CredentialFuture {
     type Output = Result<Credential, BoxError>;
 

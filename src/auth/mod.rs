@@ -21,6 +21,21 @@
 //! Re-sends happen within one `RetryLayer` attempt; what the layer did is on the response as
 //! an [`AuthOutcome`] extension, and in `INFO` tracing events (which never carry a credential).
 //!
+//! # Credential sources
+//!
+//! | source | what it does | defaults |
+//! |---|---|---|
+//! | [`ApiKey::new(key)`](ApiKey::new), [`ApiKey::with_header(key, CredentialHeader::Bearer)`](ApiKey::with_header) | one static key, as `x-api-key` or `authorization: Bearer …`; a `401` is returned as it is | — |
+//! | [`ApiKeyPool::new([k1, k2, …])`](ApiKeyPool::new) | keys in turn; on a rate-limit `429` (not an exhausted quota) the key rests for the `Retry-After` and the request is re-sent at once with the next usable key; when every key rests, the `429` goes to `RetryLayer`'s ordinary backoff | a rest without `Retry-After`: 5 s ([`default_rest`](ApiKeyPool::default_rest)); at most a day |
+//! | [`RefreshingToken::new(async closure)`](RefreshingToken::new) | a token fetched by your function, sent as `authorization: Bearer …`: single-flight (1,000 concurrent `401`s → one call, no background task), refreshed ahead of expiry (from the advisory window on, one request refreshes and the rest keep the current token; from the mandatory window on, requests wait); after a failure every waiter gets `TokenRefresh` and refreshing rests; a refresh survives a request that gives up on it | windows 120 s and 30 s ([`refresh_windows`](RefreshingToken::refresh_windows)); rest 1 s doubling to 30 s ([`failure_backoff`](RefreshingToken::failure_backoff)); timeout 30 s ([`refresh_timeout`](RefreshingToken::refresh_timeout)) |
+//!
+//! The layer itself buffers up to 32 MiB of body when it is used on its own
+//! ([`AuthLayer::body_limit`]) and reads up to 64 KiB of a `429` body to tell a rate limit
+//! from an exhausted quota ([`AuthLayer::peek_limit`]). Responses carry
+//! [`AuthOutcome { refreshed, rotations, key_index }`](AuthOutcome) when the layer re-sent or
+//! used a pool. No credential appears in a span, an event, an error message or the `Debug`
+//! output of any type of this crate (tested at `TRACE` level across the whole stack).
+//!
 //! # Example
 //!
 //! ```

@@ -45,40 +45,64 @@ struct ErrorObject<'a> {
     message: Option<std::borrow::Cow<'a, str>>,
 }
 
+/// An error body as the retry loop read it, once per attempt: what it says, parsed once for
+/// every companion layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ErrorBody {
+    pub(crate) signal: BodySignal,
+    pub(crate) overflow: Option<Overflow>,
+}
+
+impl ErrorBody {
+    /// Reads a (possibly truncated) JSON error body.
+    ///
+    /// A body that parses is judged by its `error.type`, `error.code` and `error.message`;
+    /// one that does not (cut short at the peek limit, or not JSON) falls back to looking for
+    /// the quoted error codes, which no prose message contains by accident.
+    pub(crate) fn parse(bytes: &[u8]) -> Self {
+        let (signal, message) = read(bytes);
+        let overflow = match signal {
+            BodySignal::ContextOverflow => Some(overflow_of(message.as_deref().unwrap_or(""))),
+            _ => None,
+        };
+        ErrorBody { signal, overflow }
+    }
+}
+
 /// Reads the error signal out of a (possibly truncated) JSON error body.
-///
-/// A body that parses is judged by its `error.type`, `error.code` and `error.message`; one that
-/// does not (cut short at the peek limit, or not JSON) falls back to looking for the quoted
-/// error codes, which no prose message contains by accident.
 pub(crate) fn body_signal(body: &[u8]) -> BodySignal {
+    read(body).0
+}
+
+/// The signal, and the message when the body parsed.
+fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
     if body.is_empty() {
-        return BodySignal::Other;
+        return (BodySignal::Other, None);
     }
     if let Ok(Envelope { error: Some(e) }) = serde_json::from_slice::<Envelope<'_>>(body) {
         let kind = e.kind.as_deref().unwrap_or("");
         let code = e.code.as_deref().unwrap_or("");
-        if kind == "overloaded_error" || code == "overloaded_error" {
-            return BodySignal::Overloaded;
-        }
-        if QUOTA_CODES.iter().any(|q| kind == *q || code == *q) {
-            return BodySignal::QuotaExhausted;
-        }
-        if code == "context_length_exceeded" {
-            return BodySignal::ContextOverflow;
-        }
-        if let Some(msg) = e.message.as_deref() {
-            if OVERFLOW_PATTERNS.iter().any(|p| msg.contains(p)) {
-                return BodySignal::ContextOverflow;
-            }
-        }
-        return BodySignal::Other;
+        let signal = if kind == "overloaded_error" || code == "overloaded_error" {
+            BodySignal::Overloaded
+        } else if QUOTA_CODES.iter().any(|q| kind == *q || code == *q) {
+            BodySignal::QuotaExhausted
+        } else if code == "context_length_exceeded"
+            || e.message
+                .as_deref()
+                .is_some_and(|msg| OVERFLOW_PATTERNS.iter().any(|p| msg.contains(p)))
+        {
+            BodySignal::ContextOverflow
+        } else {
+            BodySignal::Other
+        };
+        return (signal, e.message);
     }
     let contains = |needle: &str| {
         body.windows(needle.len() + 2).any(|w| {
             w[0] == b'"' && w[w.len() - 1] == b'"' && &w[1..w.len() - 1] == needle.as_bytes()
         })
     };
-    if contains("overloaded_error") {
+    let signal = if contains("overloaded_error") {
         BodySignal::Overloaded
     } else if QUOTA_CODES.iter().any(|q| contains(q)) {
         BodySignal::QuotaExhausted
@@ -86,7 +110,8 @@ pub(crate) fn body_signal(body: &[u8]) -> BodySignal {
         BodySignal::ContextOverflow
     } else {
         BodySignal::Other
-    }
+    };
+    (signal, None)
 }
 
 /// What a context-overflow error message says, with its numbers.
@@ -109,14 +134,12 @@ pub(crate) enum Overflow {
 
 /// Reads a context-overflow error body, Anthropic's or OpenAI's; `None` for anything else.
 pub(crate) fn context_overflow(body: &[u8]) -> Option<Overflow> {
-    if body_signal(body) != BodySignal::ContextOverflow {
-        return None;
-    }
-    let message = match serde_json::from_slice::<Envelope<'_>>(body) {
-        Ok(Envelope { error: Some(e) }) => e.message.unwrap_or_default(),
-        _ => Default::default(),
-    };
-    if let Some(rest) = after(&message, "exceed context limit:") {
+    ErrorBody::parse(body).overflow
+}
+
+/// The numbers of a context-overflow message.
+fn overflow_of(message: &str) -> Overflow {
+    if let Some(rest) = after(message, "exceed context limit:") {
         let mut p = Numbers(rest);
         if let (Some(input), Some(()), Some(max_tokens), Some(()), Some(limit)) = (
             p.number(),
@@ -125,29 +148,29 @@ pub(crate) fn context_overflow(body: &[u8]) -> Option<Overflow> {
             p.symbol('>'),
             p.number(),
         ) {
-            return Some(Overflow::MaxTokens {
+            return Overflow::MaxTokens {
                 input,
                 max_tokens,
                 limit,
-            });
+            };
         }
     }
-    if let Some(rest) = after(&message, "prompt is too long:") {
+    if let Some(rest) = after(message, "prompt is too long:") {
         let mut p = Numbers(rest);
         let input = p.number();
         let limit = p
             .word("tokens")
             .and_then(|()| p.symbol('>'))
             .and_then(|()| p.number());
-        return Some(Overflow::Prompt { input, limit });
+        return Overflow::Prompt { input, limit };
     }
     // OpenAI: "This model's maximum context length is 8192 tokens. However, your messages
     // resulted in 9000 tokens." or "... you requested 9000 tokens (8000 in the messages, ...".
-    let limit = after(&message, "maximum context length is").and_then(|r| Numbers(r).number());
-    let input = after(&message, "resulted in")
-        .or_else(|| after(&message, "tokens ("))
+    let limit = after(message, "maximum context length is").and_then(|r| Numbers(r).number());
+    let input = after(message, "resulted in")
+        .or_else(|| after(message, "tokens ("))
         .and_then(|r| Numbers(r).number());
-    Some(Overflow::Prompt { input, limit })
+    Overflow::Prompt { input, limit }
 }
 
 fn after<'a>(haystack: &'a str, marker: &str) -> Option<&'a str> {

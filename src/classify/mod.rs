@@ -1,23 +1,81 @@
 //! Deciding which outcomes of an attempt are failures, and which failures are worth a retry.
 //!
-//! [`DefaultClassifier`] implements the table below, in this order (the first row that matches
-//! decides). The Retry-After ceiling (a wait too long to honour) and the request's replay
-//! safety are judged by the policy and the retry loop, not here.
+//! [`DefaultClassifier`] judges each attempt by the table below, in this order: the first row
+//! that matches decides. It gives a verdict (success, retry, or no retry) and a
+//! [`FailureClass`]; what the retry loop then does with a retryable verdict (replay safety, the
+//! `Retry-After` ceiling, the retry count, the deadline, the budget) is decided after it, in the
+//! order listed in [`retry`](crate::retry#after-the-verdict).
 //!
-//! | condition | verdict |
-//! |---|---|
-//! | a layer inside gave its final word: [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) | no retry; the error reaches the caller as it is |
-//! | inner service error before a response head | retry, [`FailureClass::Transport`] |
-//! | 2xx | success |
-//! | an overload from the last model of a [`ModelFallbackLayer`](crate::ModelFallbackLayer) chain ([`ModelUsed::chain_exhausted`](crate::fallback::ModelUsed::chain_exhausted)) | no retry, [`FailureClass::Overloaded`] |
-//! | `x-should-retry: true` / `false` | obeyed, whatever the status |
-//! | 429 whose body says the quota or spend limit is exhausted | no retry, [`FailureClass::QuotaExhausted`] |
-//! | 408, 409, 429, 500–599 | retry; 529 or an `overloaded_error` body → [`FailureClass::Overloaded`] |
-//! | 401 | no retry, [`FailureClass::Unauthorized`] (an auth layer refreshes once) |
-//! | 400 or 413 context overflow | no retry, [`FailureClass::ContextOverflow`] |
-//! | any other status | no retry, returned as is |
+//! Before any classifier runs, the loop itself ends a request on the final word of a companion
+//! layer inside it (a credential that could not be had, a signal to switch models, an overload
+//! from the last model of a fallback chain): see
+//! [`retry`](crate::retry#companion-layers-inside-the-loop). A custom [`Classify`] cannot
+//! retry those.
 //!
-//! To change a decision, wrap the default:
+//! | # | outcome of the attempt | verdict | class |
+//! |---|---|---|---|
+//! | 1 | an error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
+//! | 2 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
+//! | 3 | 2xx | success (`x-should-retry` is not read) | — |
+//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 5–10 give | as below |
+//! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
+//! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
+//! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
+//! | 8 | 401 | no retry ([`AuthLayer`](crate::AuthLayer) refreshes once) | `Unauthorized` |
+//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`](crate::ContextOverflowLayer) repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 10 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
+//!
+//! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
+//! (64 KiB by default); the caller still receives the whole body. A body that is not JSON, or
+//! is cut at the peek limit, is searched for the quoted codes only (`"overloaded_error"`, the
+//! quota codes, `"context_length_exceeded"`), which no prose message contains by accident.
+//!
+//! In-band errors of a `2xx` `text/event-stream` response are judged by
+//! [`Classify::classify_sse_event`]; the default maps each to its HTTP twin (see
+//! [`stream`](crate::stream#in-band-errors)).
+//!
+//! # `Retry-After`
+//!
+//! Every non-2xx verdict carries the wait the server asked for, read by
+//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
+//! (fractional) seconds, then `retry-after` as an HTTP-date. NaN, infinite, negative,
+//! overflowing and unparseable values count as absent, and so does a date in the past; a
+//! header sent twice counts with its first value. A `Retry-After` applies only to the sleep
+//! right after the response that carried it; the policy clamps it and decides what a wait above
+//! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).
+//!
+//! # HTTP/2: proofs that a request was never processed
+//!
+//! The real APIs are HTTPS and negotiate HTTP/2 by ALPN. The layer is protocol-agnostic; what
+//! HTTP/2 adds is proof that a request was never processed (gRPC's transparent-retry rule),
+//! read from the `h2` error in the failure's source chain (feature `http2`, on by default):
+//!
+//! | signal | proves not processed? | what the retry loop does |
+//! |---|---|---|
+//! | `RST_STREAM` with `REFUSED_STREAM` | yes | re-sent at once (no backoff), once per attempt, even when [`NotReplaySafe`](crate::NotReplaySafe); not counted as a retry, no budget drawn; the trail records class `NotProcessed` |
+//! | `GOAWAY`, stream above its last stream id | yes (h2 fails exactly those streams with the `GOAWAY` error) | as above |
+//! | a request hyper canceled before writing a byte of it (queued on a connection that closed) | yes, on HTTP/1.1 too | as above |
+//! | `RST_STREAM` with `INTERNAL_ERROR` or `CANCEL`, a connection dropped mid-stream, a stream at or below the `GOAWAY` id that the connection's end cut | no | ordinary rules: retried as `Transport` unless `NotReplaySafe` |
+//!
+//! After its one transparent re-send, an attempt that is refused again follows the ordinary
+//! rules; a proof still counts as "not sent" ([`Classify::request_not_sent`], which also counts a
+//! refused connection, a hyper-util connect error and [`RequestNotSent`]), so even a
+//! `NotReplaySafe` request is retried, with backoff. A request allowed no retries
+//! ([`NoRetry`](crate::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps no copy
+//! and is sent exactly once.
+//!
+//! hyper-util's legacy client also re-sends by itself, when `retry_canceled_requests` is on (its
+//! default), a request that hyper canceled before writing it on a reused connection. That
+//! happens below the loop, so the trail counts one attempt for it; it never re-sends anything
+//! that may have reached the server (hyper only cancels requests it never started to write), so
+//! it is safe with `NotReplaySafe`. `tests/it/http2.rs` runs the key cases (429 with `Retry-After`,
+//! 529, a reset before the head, an in-band SSE error, `REFUSED_STREAM`, `GOAWAY`,
+//! `INTERNAL_ERROR` after the head) over h1+TLS, h2+TLS and h2c against the mock, hashing the
+//! body on every attempt.
+//!
+//! # Changing a decision
+//!
+//! Wrap the default:
 //!
 //! ```
 //! use tower_llm_retry::classify::{Classify, Classification, DefaultClassifier, FailureClass};
@@ -42,6 +100,9 @@
 
 pub(crate) mod error_body;
 pub mod headers;
+mod sse;
+
+pub use self::sse::{default_sse_verdict, SseVerdict};
 
 use std::fmt;
 use std::sync::Arc;
@@ -50,7 +111,7 @@ use std::time::{Duration, SystemTime};
 use http::StatusCode;
 
 use self::error_body::{body_signal, BodySignal};
-use crate::stream::{SseEvent, SseVerdict};
+use crate::stream::SseEvent;
 
 /// The HTTP status Anthropic uses for "overloaded".
 pub const STATUS_OVERLOADED: u16 = 529;
@@ -226,9 +287,9 @@ pub trait Classify: Send + Sync + 'static {
     }
 
     /// Judges one event of a `text/event-stream` response before the commit point. Defaults
-    /// to [`default_sse_verdict`](crate::stream::default_sse_verdict).
+    /// to [`default_sse_verdict`].
     fn classify_sse_event(&self, event: &SseEvent<'_>) -> SseVerdict {
-        crate::stream::default_sse_verdict(event)
+        default_sse_verdict(event)
     }
 }
 
@@ -326,15 +387,6 @@ impl Classify for DefaultClassifier {
             Some(class) => class,
             None => FailureClass::Other,
         };
-        if class == FailureClass::Overloaded
-            && head
-                .extensions
-                .get::<crate::fallback::ModelUsed>()
-                .is_some_and(|m| m.chain_exhausted)
-        {
-            // Every model of the chain has had its turn; the response goes back as it is.
-            return Classification::fail(class).with_retry_after(retry_after);
-        }
         let verdict = match headers::parse_should_retry(&head.headers) {
             Some(true) => Classification::retry(class),
             Some(false) => Classification::fail(class),
@@ -351,21 +403,6 @@ impl Classify for DefaultClassifier {
     }
 
     fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
-        let mut next = Some(error);
-        while let Some(e) = next {
-            if let Some(e) = e.downcast_ref::<crate::Error>() {
-                match e.kind() {
-                    crate::ErrorKind::TokenRefresh => {
-                        return Classification::fail(FailureClass::Unauthorized)
-                    }
-                    crate::ErrorKind::FallbackTriggered => {
-                        return Classification::fail(FailureClass::Overloaded)
-                    }
-                    _ => {}
-                }
-            }
-            next = e.source();
-        }
         if never_processed(error) {
             return Classification::retry(FailureClass::NotProcessed);
         }
@@ -376,10 +413,15 @@ impl Classify for DefaultClassifier {
 /// Whether a response is an overload, as [`DefaultClassifier`] judges it: a 529, or a 4xx or
 /// 5xx whose body says `overloaded_error`.
 pub(crate) fn is_overloaded(status: StatusCode, body: Option<&[u8]>) -> bool {
+    overloaded_by(status, body.map(body_signal))
+}
+
+/// [`is_overloaded`], from the signal of a body already read.
+pub(crate) fn overloaded_by(status: StatusCode, signal: Option<BodySignal>) -> bool {
     match FailureClass::from_status(status) {
         Some(FailureClass::Overloaded) => true,
         Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited) => {
-            body.is_some_and(|b| body_signal(b) == BodySignal::Overloaded)
+            signal == Some(BodySignal::Overloaded)
         }
         _ => false,
     }
@@ -439,8 +481,9 @@ pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// The default test of [`Classify::request_not_sent`]: somewhere in the source chain, a
-/// [`RequestNotSent`], an I/O error `ConnectionRefused`, or a hyper-util legacy client error
-/// raised while connecting (before any byte of the request was written). Adapters need no
+/// [`RequestNotSent`], an I/O error `ConnectionRefused`, or (feature `hyper-util`, on by
+/// default) a hyper-util legacy client error raised while connecting (before any byte of the
+/// request was written). Adapters need no
 /// special case: a reqwest connect error carries one of these in its source chain.
 pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
     if never_processed(error) {
@@ -451,6 +494,7 @@ pub fn request_not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
         if e.is::<RequestNotSent>() {
             return true;
         }
+        #[cfg(feature = "hyper-util")]
         if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
             if client.is_connect() {
                 return true;

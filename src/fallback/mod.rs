@@ -68,6 +68,16 @@
 //! whose [`fallback_triggered`](crate::Error::fallback_triggered) names both models; the
 //! overloaded response is dropped and `RetryLayer` returns the error as it is.
 //!
+//! # Configuration
+//!
+//! | setting | default | change with |
+//! |---|---|---|
+//! | threshold | 3 consecutive overloads of one request | [`threshold(n)`](ModelFallbackLayer::threshold) (at least 1) |
+//! | sticky | off: every request starts on its own model | [`sticky(cooldown)`](ModelFallbackLayer::sticky): later requests for that model start at the fallback until the cooldown ends |
+//! | mode | [`FallbackMode::Rewrite`]: rewrite the body's `"model"` | [`mode(FallbackMode::Signal)`](ModelFallbackLayer::mode): end the request with [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) |
+//! | body buffer, on its own | 32 MiB | [`body_limit`](ModelFallbackLayer::body_limit) |
+//! | error body read to tell an overload | 64 KiB | [`peek_limit`](ModelFallbackLayer::peek_limit) |
+//!
 //! # The chain
 //!
 //! - A request whose model is itself in the chain falls back to the models after it, so one

@@ -1,13 +1,15 @@
 //! The retry budget: tower's `TpsBudget`, with settings that are checked instead of asserted.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tower::retry::budget::{Budget, TpsBudget};
 
+use super::BudgetStats;
 use crate::retry::ConfigError;
 
-/// Settings of the retry budget that every service made from one
-/// [`RetryLayer`](crate::RetryLayer) shares.
+/// Settings of the retry budget of a [`Fleet`](crate::fleet::Fleet), shared by every request
+/// sent through it.
 ///
 /// Every first attempt deposits into the budget and every retry withdraws from it, so retries
 /// can add at most `retry_ratio` to the load of first attempts, plus `min_per_sec` retries a
@@ -93,6 +95,9 @@ impl BudgetConfig {
     pub(crate) fn build(&self) -> SharedBudget {
         SharedBudget {
             inner: TpsBudget::new(self.ttl, self.min_per_sec, self.retry_ratio),
+            first_attempts: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
         }
     }
 }
@@ -112,15 +117,30 @@ impl Default for BudgetConfig {
 #[derive(Debug)]
 pub(crate) struct SharedBudget {
     inner: TpsBudget,
+    first_attempts: AtomicU64,
+    retries: AtomicU64,
+    refused: AtomicU64,
 }
 
 impl SharedBudget {
     pub(crate) fn deposit(&self) {
+        self.first_attempts.fetch_add(1, Ordering::Relaxed);
         self.inner.deposit();
     }
 
     pub(crate) fn withdraw(&self) -> bool {
-        self.inner.withdraw()
+        let ok = self.inner.withdraw();
+        let counter = if ok { &self.retries } else { &self.refused };
+        counter.fetch_add(1, Ordering::Relaxed);
+        ok
+    }
+
+    pub(crate) fn stats(&self) -> BudgetStats {
+        BudgetStats {
+            first_attempts: self.first_attempts.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+        }
     }
 }
 

@@ -1,9 +1,9 @@
-//! The cooldown gate: one "closed until" instant shared by every service of a layer.
+//! The cooldown gate: one "closed until" instant shared by every request of a fleet.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, SystemTime};
@@ -15,8 +15,8 @@ use super::Fleet;
 use crate::classify::WallClock;
 use crate::retry::{ConfigError, Random, RetryPolicy};
 
-/// Settings of the cooldown gate that every service made from one
-/// [`RetryLayer`](crate::RetryLayer) shares.
+/// Settings of the cooldown gate of a [`Fleet`](crate::fleet::Fleet), shared by every request
+/// sent through it.
 ///
 /// A `429` or `529` carrying a `Retry-After`, or a response whose rate-limit headers say no
 /// request is left until a reset, closes the gate until that instant (at most the reporting
@@ -134,6 +134,8 @@ pub(crate) struct Gate {
     // changed under the lock, so a close is never lost.
     maybe_closed: AtomicBool,
     closed: Mutex<Closed>,
+    // Closings and extensions, for the read-outs.
+    closings: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -151,6 +153,7 @@ impl Gate {
                 until: Instant::now(),
                 spread: Duration::ZERO,
             }),
+            closings: AtomicU64::new(0),
         }
     }
 
@@ -170,7 +173,12 @@ impl Gate {
                 spread: self.config.spread_for(wait),
             };
             self.maybe_closed.store(true, Ordering::Release);
+            self.closings.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    pub(crate) fn closings(&self) -> u64 {
+        self.closings.load(Ordering::Relaxed)
     }
 
     /// When the gate is closed at `now`: the instant it reopens and the spread of its waiters.
@@ -252,7 +260,7 @@ pin_project! {
     pub(crate) struct GateWait {
         #[pin]
         sleep: Sleep,
-        fleet: Arc<Fleet>,
+        fleet: Fleet,
         cap: Instant,
         deadline: Option<Instant>,
         random: Random,
@@ -263,11 +271,11 @@ impl GateWait {
     /// The wait at the gate before an attempt, `Ok(None)` when the gate is open, or
     /// [`PastDeadline`] when it stays closed past `deadline`.
     pub(crate) fn start(
-        fleet: &Arc<Fleet>,
+        fleet: &Fleet,
         policy: &RetryPolicy,
         deadline: Option<Instant>,
     ) -> Result<Option<Self>, PastDeadline> {
-        let Some(gate) = fleet.gate.as_ref() else {
+        let Some(gate) = fleet.gate() else {
             return Ok(None);
         };
         if gate.is_open_fast() {
@@ -276,7 +284,7 @@ impl GateWait {
         let now = Instant::now();
         // A ceiling set to "forever" must not switch the gate off by overflowing.
         let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
-        let random = policy.random_source().clone();
+        let random = policy.get_random().clone();
         let Some(until) = gate.wait_for(now, cap, deadline, &random)? else {
             return Ok(None);
         };
@@ -311,7 +319,7 @@ impl Future for GateWait {
             ready!(this.sleep.as_mut().poll(cx));
             // Closed again meanwhile (another request's 429): wait again, with a fresh share
             // of the new spread, but never past this request's cap.
-            let gate = this.fleet.gate.as_ref().expect("a gate wait needs a gate");
+            let gate = this.fleet.gate().expect("a gate wait needs a gate");
             let now = Instant::now();
             match gate.wait_for(now, *this.cap, *this.deadline, this.random)? {
                 Some(until) => this.sleep.as_mut().reset(until),

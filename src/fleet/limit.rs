@@ -1,4 +1,4 @@
-//! Adaptive pacing: the rate at which the attempts of one layer are sent, learned from the
+//! Adaptive pacing: the rate at which the attempts of one fleet are sent, learned from the
 //! server's answers (additive increase, multiplicative decrease, on a rate), its quotas and
 //! its stated limits.
 
@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use crate::retry::ConfigError;
 
-/// Settings of the adaptive pacing shared by every service of one
-/// [`RetryLayer`](crate::RetryLayer).
+/// Settings of the adaptive pacing of a [`Fleet`](crate::fleet::Fleet), shared by every
+/// request sent through it.
 ///
 /// Attempts leave one after another, `1 / rate` apart, in arrival order. Only the head of the
 /// line waits on the clock; the others are woken when the one ahead of them goes, so a change
@@ -167,7 +167,7 @@ impl PacingConfig {
     /// The period a stated request limit counts over, or `None` to ignore stated limits.
     ///
     /// A response that states its request limit (`anthropic-ratelimit-requests-limit`,
-    /// `x-ratelimit-limit-requests`; see [`ratelimit`](crate::fleet::ratelimit)) caps the
+    /// `x-ratelimit-limit-requests`; see [the headers](crate::fleet#rate-limit-headers)) caps the
     /// rate at `limit / period`: the fleet then sends what the server allows spread evenly,
     /// from the first answer, instead of finding it by being refused. Both providers state
     /// requests per minute. Defaults to 60 s.

@@ -13,45 +13,31 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use http::HeaderMap;
 
 /// Anthropic's count of requests left in the current window.
-pub const ANTHROPIC_REQUESTS_REMAINING: &str = "anthropic-ratelimit-requests-remaining";
+pub(crate) const ANTHROPIC_REQUESTS_REMAINING: &str = "anthropic-ratelimit-requests-remaining";
 /// Anthropic's instant (RFC 3339) at which the request limit is replenished.
-pub const ANTHROPIC_REQUESTS_RESET: &str = "anthropic-ratelimit-requests-reset";
+pub(crate) const ANTHROPIC_REQUESTS_RESET: &str = "anthropic-ratelimit-requests-reset";
 /// OpenAI's count of requests left in the current window.
-pub const OPENAI_REQUESTS_REMAINING: &str = "x-ratelimit-remaining-requests";
+pub(crate) const OPENAI_REQUESTS_REMAINING: &str = "x-ratelimit-remaining-requests";
 /// OpenAI's time (a duration such as `6m0s`) until the request limit is replenished.
-pub const OPENAI_REQUESTS_RESET: &str = "x-ratelimit-reset-requests";
+pub(crate) const OPENAI_REQUESTS_RESET: &str = "x-ratelimit-reset-requests";
 
 /// Anthropic's request limit (requests per minute).
-pub const ANTHROPIC_REQUESTS_LIMIT: &str = "anthropic-ratelimit-requests-limit";
+pub(crate) const ANTHROPIC_REQUESTS_LIMIT: &str = "anthropic-ratelimit-requests-limit";
 /// OpenAI's request limit (requests per minute).
-pub const OPENAI_REQUESTS_LIMIT: &str = "x-ratelimit-limit-requests";
+pub(crate) const OPENAI_REQUESTS_LIMIT: &str = "x-ratelimit-limit-requests";
 
 /// The longest header value the parsers look at; longer values count as absent.
-pub const MAX_VALUE_LEN: usize = 64;
+pub(crate) const MAX_VALUE_LEN: usize = 64;
 
 /// The longest reset the parsers accept: a value further away counts as absent.
-pub const MAX_RESET: Duration = Duration::from_secs(24 * 60 * 60);
+pub(crate) const MAX_RESET: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// How long until the request limit is replenished, when a response says none are left.
 ///
 /// Reads Anthropic's pair first, then OpenAI's. Returns `None` when the remaining count is
 /// absent, unparseable or above zero, when the reset is absent, malformed or already past,
 /// or when it is further away than [`MAX_RESET`].
-///
-/// ```
-/// use std::time::{Duration, SystemTime};
-/// use http::HeaderMap;
-/// use tower_llm_retry::fleet::ratelimit::requests_exhausted_for;
-///
-/// let mut headers = HeaderMap::new();
-/// headers.insert("x-ratelimit-remaining-requests", "0".parse().unwrap());
-/// headers.insert("x-ratelimit-reset-requests", "2m52.8s".parse().unwrap());
-/// assert_eq!(
-///     requests_exhausted_for(&headers, SystemTime::now()),
-///     Some(Duration::from_millis(172_800)),
-/// );
-/// ```
-pub fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+pub(crate) fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let anthropic = || {
         if header(headers, ANTHROPIC_REQUESTS_REMAINING).and_then(parse_count)? != 0 {
             return None;
@@ -70,18 +56,7 @@ pub fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Option<Du
 
 /// The request limit a response states, Anthropic's header first, then OpenAI's. `None` when
 /// neither is present and well formed, or the limit is zero.
-///
-/// ```
-/// use http::HeaderMap;
-/// use tower_llm_retry::fleet::ratelimit::requests_limit;
-///
-/// let mut headers = HeaderMap::new();
-/// headers.insert("anthropic-ratelimit-requests-limit", "4000".parse().unwrap());
-/// assert_eq!(requests_limit(&headers), Some(4000));
-/// headers.insert("anthropic-ratelimit-requests-limit", "-1".parse().unwrap());
-/// assert_eq!(requests_limit(&headers), None);
-/// ```
-pub fn requests_limit(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn requests_limit(headers: &HeaderMap) -> Option<u64> {
     [ANTHROPIC_REQUESTS_LIMIT, OPENAI_REQUESTS_LIMIT]
         .into_iter()
         .find_map(|name| header(headers, name).and_then(parse_count))
@@ -97,7 +72,7 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// A remaining-count header: a whole number, surrounding whitespace allowed.
-pub fn parse_count(value: &str) -> Option<u64> {
+pub(crate) fn parse_count(value: &str) -> Option<u64> {
     let v = value.trim();
     if v.is_empty() || v.len() > 20 || !v.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -110,7 +85,7 @@ pub fn parse_count(value: &str) -> Option<u64> {
 /// fractional: `1s`, `6m0s`, `547ms`, `2m52.8s`, `1h30m`. A bare `0` is zero.
 ///
 /// Negative, malformed, overflowing values and values above [`MAX_RESET`] are `None`.
-pub fn parse_duration(value: &str) -> Option<Duration> {
+pub(crate) fn parse_duration(value: &str) -> Option<Duration> {
     let s = value.trim();
     if s.is_empty() || s.len() > MAX_VALUE_LEN {
         return None;
@@ -170,7 +145,7 @@ fn scaled(number: &str, unit_nanos: u128) -> Option<u128> {
 /// `2026-01-01T00:00:10Z` or `2026-01-01T01:00:10.5+01:00`. `t`, `z` and a space in place of
 /// `T` are accepted; fields out of range (month 13, February 30, hour 24) are not. A leap
 /// second (`:60`) is read as the last second of its minute.
-pub fn parse_rfc3339(value: &str) -> Option<SystemTime> {
+pub(crate) fn parse_rfc3339(value: &str) -> Option<SystemTime> {
     let s = value.trim().as_bytes();
     if s.len() < 20 || s.len() > MAX_VALUE_LEN {
         return None;
@@ -275,6 +250,25 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exhausted_openai_window_and_a_stated_limit() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-ratelimit-remaining-requests", "0".parse().unwrap());
+        headers.insert("x-ratelimit-reset-requests", "2m52.8s".parse().unwrap());
+        assert_eq!(
+            requests_exhausted_for(&headers, SystemTime::now()),
+            Some(Duration::from_millis(172_800)),
+        );
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "anthropic-ratelimit-requests-limit",
+            "4000".parse().unwrap(),
+        );
+        assert_eq!(requests_limit(&headers), Some(4000));
+        headers.insert("anthropic-ratelimit-requests-limit", "-1".parse().unwrap());
+        assert_eq!(requests_limit(&headers), None);
+    }
     use http::HeaderValue;
 
     // 2026-01-01T00:00:00Z

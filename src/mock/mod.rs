@@ -93,5 +93,5 @@ mod server;
 pub mod sse;
 mod tls;
 
-pub use self::script::{Capacity, Reply, Script, SseEvent};
+pub use self::script::{Capacity, Reply, Script, SseFrame};
 pub use self::server::{MockServer, MockServerBuilder, Protocol, RecordedRequest};

@@ -263,7 +263,7 @@ pub(super) enum Payload {
     /// Resolved per request, since the right shape depends on the path.
     Success,
     Stream {
-        events: Vec<SseEvent>,
+        events: Vec<SseFrame>,
         end: End,
     },
     Reset,
@@ -486,7 +486,7 @@ impl Reply {
     ///
     /// Panics if `status` is not a valid HTTP status code.
     pub fn reset_mid_body(status: u16, first: impl Into<Bytes>) -> Self {
-        Self::streamed(status, vec![SseEvent::raw(first)], End::Reset)
+        Self::streamed(status, vec![SseFrame::raw(first)], End::Reset)
     }
 
     /// Sends the head and `first`, then never sends anything more; the
@@ -496,12 +496,12 @@ impl Reply {
     ///
     /// Panics if `status` is not a valid HTTP status code.
     pub fn stall_mid_body(status: u16, first: impl Into<Bytes>) -> Self {
-        Self::streamed(status, vec![SseEvent::raw(first)], End::Stall)
+        Self::streamed(status, vec![SseFrame::raw(first)], End::Stall)
     }
 
     /// A `200` `text/event-stream` response writing each event as its own
-    /// frame, after that event's [delay](SseEvent::after).
-    pub fn sse(events: Vec<SseEvent>) -> Self {
+    /// frame, after that event's [delay](SseFrame::after).
+    pub fn sse(events: Vec<SseFrame>) -> Self {
         Self::event_stream(events, End::Finish)
     }
 
@@ -510,7 +510,7 @@ impl Reply {
     ///
     /// On HTTP/2 the whole connection is dropped mid-stream, failing every
     /// stream on it.
-    pub fn sse_then_reset(events: Vec<SseEvent>) -> Self {
+    pub fn sse_then_reset(events: Vec<SseFrame>) -> Self {
         Self::event_stream(events, End::Reset)
     }
 
@@ -521,7 +521,7 @@ impl Reply {
     /// stream only; other streams on the connection carry on. On HTTP/1.1,
     /// which has no streams, it aborts the connection, as
     /// [`Reply::sse_then_reset`] does.
-    pub fn sse_then_reset_stream(events: Vec<SseEvent>) -> Self {
+    pub fn sse_then_reset_stream(events: Vec<SseFrame>) -> Self {
         Self::event_stream(events, End::ResetStream)
     }
 
@@ -577,17 +577,17 @@ impl Reply {
 
     /// Like [`Reply::sse`], but never ends the body after the last event;
     /// the connection stays open until the server shuts down.
-    pub fn sse_then_stall(events: Vec<SseEvent>) -> Self {
+    pub fn sse_then_stall(events: Vec<SseFrame>) -> Self {
         Self::event_stream(events, End::Stall)
     }
 
-    fn event_stream(events: Vec<SseEvent>, end: End) -> Self {
+    fn event_stream(events: Vec<SseFrame>, end: End) -> Self {
         Self::streamed(200, events, end)
             .content_type("text/event-stream")
             .header("cache-control", "no-cache")
     }
 
-    fn streamed(status: u16, events: Vec<SseEvent>, end: End) -> Self {
+    fn streamed(status: u16, events: Vec<SseFrame>, end: End) -> Self {
         Self {
             payload: Payload::Stream { events, end },
             ..Self::status(status)
@@ -619,12 +619,12 @@ pub(super) fn anthropic_error_body(error_type: &str, message: &str) -> String {
 
 /// One server-sent event, written to the body as a single frame.
 #[derive(Clone)]
-pub struct SseEvent {
+pub struct SseFrame {
     bytes: Bytes,
     pub(super) delay: Duration,
 }
 
-impl SseEvent {
+impl SseFrame {
     /// An event with an `event:` name: `"event: {event}\ndata: {data}\n\n"`.
     ///
     /// Multi-line `data` is split into one `data:` line per line, as the
@@ -670,9 +670,9 @@ impl SseEvent {
     }
 }
 
-impl fmt::Debug for SseEvent {
+impl fmt::Debug for SseFrame {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SseEvent")
+        f.debug_struct("SseFrame")
             .field("bytes", &String::from_utf8_lossy(&self.bytes))
             .field("delay", &self.delay)
             .finish()

@@ -24,7 +24,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-use super::script::{success_body, End, Payload, Reply, Rule, Script, SseEvent, TokenBucket};
+use super::script::{success_body, End, Payload, Reply, Rule, Script, SseFrame, TokenBucket};
 use super::tls::Tls;
 
 /// A fake LLM provider: a real HTTP server on `127.0.0.1` that answers
@@ -569,7 +569,7 @@ pub(super) struct MockBody {
 enum Kind {
     Full(Option<Bytes>),
     Stream {
-        events: VecDeque<SseEvent>,
+        events: VecDeque<SseFrame>,
         end: End,
         sleep: Option<Pin<Box<Sleep>>>,
         yielded: bool,
@@ -584,7 +584,7 @@ impl MockBody {
         }
     }
 
-    fn stream(events: Vec<SseEvent>, end: End) -> Self {
+    fn stream(events: Vec<SseFrame>, end: End) -> Self {
         Self {
             kind: Kind::Stream {
                 events: events.into(),

@@ -1,18 +1,18 @@
 //! Ready-made event sequences in the shapes real providers stream.
 //!
 //! Combine them with [`Reply::sse`](super::Reply::sse) and friends; add
-//! delays with [`SseEvent::after`].
+//! delays with [`SseFrame::after`].
 
 use super::json::{array, object, Null, Raw};
 use super::script::{ANTHROPIC_MODEL, CREATED, OPENAI_MODEL};
-use super::SseEvent;
+use super::SseFrame;
 
 /// A complete Anthropic Messages stream producing one text block made of
 /// `text_chunks`.
 ///
 /// Events: `message_start`, `content_block_start`, one `content_block_delta`
 /// per chunk, `content_block_stop`, `message_delta` and `message_stop`.
-pub fn anthropic_message(text_chunks: &[&str]) -> Vec<SseEvent> {
+pub fn anthropic_message(text_chunks: &[&str]) -> Vec<SseFrame> {
     let mut events = Vec::with_capacity(text_chunks.len() + 5);
     events.push(anthropic_event(
         "message_start",
@@ -69,14 +69,14 @@ pub fn anthropic_message(text_chunks: &[&str]) -> Vec<SseEvent> {
 
 /// An Anthropic in-stream `error` event, as sent when a stream fails after
 /// it has started (for example `"overloaded_error"`).
-pub fn anthropic_error(error_type: &str) -> SseEvent {
+pub fn anthropic_error(error_type: &str) -> SseFrame {
     let message = match error_type {
         "overloaded_error" => "Overloaded",
         "rate_limit_error" => "Rate limited",
         "api_error" => "Internal server error",
         _ => "Error",
     };
-    SseEvent::new(
+    SseFrame::new(
         "error",
         &super::script::anthropic_error_body(error_type, message),
     )
@@ -87,7 +87,7 @@ pub fn anthropic_error(error_type: &str) -> SseEvent {
 /// Unnamed `data:` events: a chunk carrying the assistant role, one chunk per
 /// text chunk in `choices[0].delta.content`, a chunk carrying
 /// `finish_reason: "stop"`, then `data: [DONE]`.
-pub fn openai_chat(text_chunks: &[&str]) -> Vec<SseEvent> {
+pub fn openai_chat(text_chunks: &[&str]) -> Vec<SseFrame> {
     let chunk = |delta: Raw, finish_reason: Option<&str>| {
         let chunk = object! {
             "id": "chatcmpl-mock",
@@ -101,7 +101,7 @@ pub fn openai_chat(text_chunks: &[&str]) -> Vec<SseEvent> {
                 "finish_reason": finish_reason,
             }],
         };
-        SseEvent::data(&chunk.into_string())
+        SseFrame::data(&chunk.into_string())
     };
     let mut events = Vec::with_capacity(text_chunks.len() + 3);
     events.push(chunk(object! {"role": "assistant", "content": ""}, None));
@@ -109,10 +109,10 @@ pub fn openai_chat(text_chunks: &[&str]) -> Vec<SseEvent> {
         events.push(chunk(object! {"content": text}, None));
     }
     events.push(chunk(object! {}, Some("stop")));
-    events.push(SseEvent::data("[DONE]"));
+    events.push(SseFrame::data("[DONE]"));
     events
 }
 
-fn anthropic_event(name: &str, data: Raw) -> SseEvent {
-    SseEvent::new(name, &data.into_string())
+fn anthropic_event(name: &str, data: Raw) -> SseFrame {
+    SseFrame::new(name, &data.into_string())
 }

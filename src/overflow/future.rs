@@ -3,6 +3,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
+use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body::Body;
 use pin_project_lite::pin_project;
@@ -10,19 +11,155 @@ use serde::Deserialize;
 use tower_service::Service;
 
 use super::layer::Config;
-use super::{ContextOverflow, OverflowRepaired};
-use crate::body::{Held, PrepareBody, ReplayBody};
-use crate::classify::error_body::{context_overflow, Overflow};
+use super::{ContextWindowExceeded, OverflowRepaired};
+use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
+use crate::classify::error_body::{context_overflow, ErrorBody, Overflow};
 use crate::error::BoxError;
 use crate::json_edit;
+use crate::pipeline::{Asks, Carried, Inside, Judge, Judged};
 use crate::retry::body::{IdleTimer, PeekHead};
 use crate::retry::{HttpResponse, RetryBody};
 
 use crate::retry::ResBodyOf;
 
 pin_project! {
-    /// The response future of [`ContextOverflowService`](super::ContextOverflowService).
+    /// The response future of [`ContextOverflow`](super::ContextOverflow).
     pub struct ResponseFuture<S, B>
+    where
+        S: Service<Request<ReplayBody>>,
+        S::Response: HttpResponse,
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        #[pin]
+        kind: Kind<S, B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<S, B>
+    where
+        S: Service<Request<ReplayBody>>,
+        S::Response: HttpResponse,
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        // Inside a retry loop: one send, and a question to the loop about a `400`.
+        Loop { #[pin] future: S::Future, ctx: LoopCtx },
+        // On its own: it buffers, keeps the request and re-sends it itself.
+        Alone { future: Pin<Box<Alone<S, B>>> },
+    }
+}
+
+struct LoopCtx {
+    config: Arc<Config>,
+    /// The body sent, for the repair.
+    sent: Option<Bytes>,
+    /// The repair this send carries (boxed: rare, and the future stays small).
+    repaired: Option<Box<OverflowRepaired>>,
+}
+
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>>,
+    S::Response: HttpResponse,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    pub(crate) fn new(mut service: S, config: Arc<Config>, req: Request<B>) -> Self {
+        let (parts, body) = req.into_parts();
+        let prepare = match (Inside::of(&parts), as_replay_body(body)) {
+            (Inside::Loop(carried), Ok(body)) => {
+                // Every send after a repair carries it.
+                let body = carried
+                    .repair
+                    .as_ref()
+                    .and_then(|r| apply(&body, r))
+                    .unwrap_or(body);
+                let sent = body.as_bytes().cloned();
+                // The service was polled ready before `call`.
+                let future = service.call(Request::from_parts(parts, body));
+                let ctx = LoopCtx {
+                    config,
+                    sent,
+                    repaired: carried.repair.map(Box::new),
+                };
+                return ResponseFuture {
+                    kind: Kind::Loop { future, ctx },
+                };
+            }
+            (_, Ok(body)) => PrepareBody::replay(body),
+            (_, Err(body)) => PrepareBody::read(body, config.body_limit),
+        };
+        let alone = Alone::new(service, config, parts, prepare);
+        ResponseFuture {
+            kind: Kind::Alone {
+                future: Box::pin(alone),
+            },
+        }
+    }
+}
+
+impl<S, B, ResBody> Future for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    type Output = Result<Response<RetryBody<ResBody>>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Loop { future, ctx } => {
+                let (head, body) = ready!(future.poll(cx)).map_err(Into::into)?.into_parts();
+                let overflow_status = matches!(
+                    head.status,
+                    StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE
+                );
+                let mut res = Response::from_parts(head, RetryBody::plain(body, None));
+                if let Some(repaired) = ctx.repaired.take() {
+                    res.extensions_mut().insert(*repaired);
+                }
+                if overflow_status {
+                    let judge = OverflowJudge {
+                        config: ctx.config.clone(),
+                        sent: ctx.sent.take(),
+                    };
+                    Asks::push(res.extensions_mut(), Arc::new(judge));
+                }
+                Poll::Ready(Ok(res))
+            }
+            KindProj::Alone { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody>>,
+    S::Response: HttpResponse,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let repaired = match &self.kind {
+            Kind::Loop { ctx, .. } => ctx.repaired.is_some(),
+            Kind::Alone { future } => future.ctx.repaired.is_some(),
+        };
+        f.debug_struct("ResponseFuture")
+            .field("repaired", &repaired)
+            .finish_non_exhaustive()
+    }
+}
+
+pin_project! {
+    /// The layer on its own: buffering, a copy of the request, its own peek and re-send.
+    struct Alone<S, B>
     where
         S: Service<Request<ReplayBody>>,
         S::Response: HttpResponse,
@@ -59,21 +196,7 @@ struct Ctx<S> {
     repaired: Option<OverflowRepaired>,
 }
 
-impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
-where
-    S: Service<Request<ReplayBody>>,
-    S::Response: HttpResponse,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture")
-            .field("repaired", &self.ctx.repaired)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<S, B> ResponseFuture<S, B>
+impl<S, B> Alone<S, B>
 where
     S: Service<Request<ReplayBody>>,
     S::Response: HttpResponse,
@@ -81,10 +204,13 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    pub(crate) fn new(service: S, config: Arc<Config>, req: Request<B>) -> Self {
-        let (parts, body) = req.into_parts();
-        let prepare = PrepareBody::new(body, config.body_limit);
-        ResponseFuture {
+    fn new(
+        service: S,
+        config: Arc<Config>,
+        parts: http::request::Parts,
+        prepare: PrepareBody<B>,
+    ) -> Self {
+        Alone {
             state: State::Preparing { prepare },
             ctx: Ctx {
                 service,
@@ -96,7 +222,7 @@ where
     }
 }
 
-impl<S, B, ResBody> Future for ResponseFuture<S, B>
+impl<S, B, ResBody> Future for Alone<S, B>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
     S::Error: Into<BoxError>,
@@ -157,7 +283,7 @@ where
                         }
                     }
                     this.state.set(State::Done);
-                    let overflow = overflow.map(ContextOverflow::from);
+                    let overflow = overflow.map(ContextWindowExceeded::from);
                     return Poll::Ready(Ok(ctx.finish(
                         head,
                         RetryBody::peeked(peeked, IdleTimer::new(None)),
@@ -187,65 +313,115 @@ impl<S> Ctx<S> {
     /// The body to re-send for this overflow, if there is a repair and no re-send yet.
     fn repair(&mut self, overflow: Overflow) -> Option<ReplayBody> {
         let body = self.held.body()?;
-        let bytes = body.as_bytes()?;
-        if let Overflow::MaxTokens { input, limit, .. } = overflow {
-            if let Some((from, to)) = self.smaller_max_tokens(bytes, input, limit) {
-                let repaired = json_edit::replace_value(bytes, "max_tokens", &to)
-                    .and_then(|data| body.with_data(data));
-                if let Some(repaired) = repaired {
-                    tracing::info!(
-                        input_tokens = input,
-                        context_limit = limit,
-                        from,
-                        to,
-                        "max_tokens exceeds the context window; re-sending with less"
-                    );
-                    self.repaired = Some(OverflowRepaired::MaxTokens { from, to });
-                    return Some(repaired);
-                }
-            }
-        }
-        let to = self.config.context_window_fallback.as_deref()?;
-        let from = json_edit::read_value::<String>(bytes, "model")?;
-        if from == to {
-            return None;
-        }
-        let repaired =
-            json_edit::replace_value(bytes, "model", to).and_then(|data| body.with_data(data))?;
-        tracing::info!(
-            from = from.as_str(),
-            to,
-            "the request does not fit the context window; re-sending to a larger one"
-        );
-        self.repaired = Some(OverflowRepaired::Model {
-            from,
-            to: to.to_owned(),
-        });
+        let repair = plan_repair(&self.config, body.as_bytes()?, overflow)?;
+        let repaired = apply(body, &repair)?;
+        self.repaired = Some(repair);
         Some(repaired)
     }
+}
 
-    /// `max_tokens` as sent and as it should be, when lowering it makes the request fit.
-    fn smaller_max_tokens(&self, bytes: &[u8], input: u64, limit: u64) -> Option<(u64, u64)> {
-        let from: u64 = json_edit::read_value(bytes, "max_tokens")?;
-        let config = &self.config;
-        let mut to = limit
-            .saturating_sub(input)
-            .saturating_sub(config.margin)
-            .max(config.floor);
-        let budget =
-            json_edit::read_value::<Thinking>(bytes, "thinking").and_then(|t| t.budget_tokens);
-        if let Some(budget) = budget {
-            to = to.max(budget.saturating_add(1));
+/// The repair for an overflow of a request with body `bytes`, if there is one: a smaller
+/// `max_tokens` that fits, or else the context-window fallback model.
+fn plan_repair(config: &Config, bytes: &[u8], overflow: Overflow) -> Option<OverflowRepaired> {
+    if let Overflow::MaxTokens { input, limit, .. } = overflow {
+        if let Some((from, to)) = smaller_max_tokens(config, bytes, input, limit) {
+            tracing::info!(
+                input_tokens = input,
+                context_limit = limit,
+                from,
+                to,
+                "max_tokens exceeds the context window; re-sending with less"
+            );
+            return Some(OverflowRepaired::MaxTokens { from, to });
         }
-        // Only a smaller value that fits is worth a request.
-        (to < from && input.saturating_add(to) <= limit).then_some((from, to))
+    }
+    let to = config.context_window_fallback.as_deref()?;
+    let from = json_edit::read_value::<String>(bytes, "model")?;
+    if from == to {
+        return None;
+    }
+    tracing::info!(
+        from = from.as_str(),
+        to,
+        "the request does not fit the context window; re-sending to a larger one"
+    );
+    Some(OverflowRepaired::Model {
+        from,
+        to: to.to_owned(),
+    })
+}
+
+/// `body` with `repair` made: one top-level value replaced, every other byte as it was.
+fn apply(body: &ReplayBody, repair: &OverflowRepaired) -> Option<ReplayBody> {
+    let bytes = body.as_bytes()?;
+    let data = match repair {
+        OverflowRepaired::MaxTokens { to, .. } => json_edit::replace_value(bytes, "max_tokens", to),
+        OverflowRepaired::Model { to, .. } => json_edit::replace_value(bytes, "model", to),
+    }?;
+    body.with_data(data)
+}
+
+/// Inside a retry loop: a `400` or `413` that may be a context overflow, judged once the loop
+/// has read its body.
+struct OverflowJudge {
+    config: Arc<Config>,
+    sent: Option<Bytes>,
+}
+
+impl Judge for OverflowJudge {
+    fn wants_body(&self, _: &http::response::Parts) -> bool {
+        true
     }
 
+    fn judge(
+        &self,
+        head: &mut http::response::Parts,
+        body: Option<&ErrorBody>,
+        carried: &mut Carried,
+    ) -> Judged {
+        let Some(overflow) = body.and_then(|b| b.overflow) else {
+            return Judged::Pass;
+        };
+        // One repair a request: a second overflow goes back with its numbers.
+        if carried.repair.is_none() {
+            let repair = (self.sent.as_ref()).and_then(|b| plan_repair(&self.config, b, overflow));
+            if let Some(repair) = repair {
+                carried.repair = Some(repair);
+                return Judged::Resend;
+            }
+        }
+        let overflow = ContextWindowExceeded::from(overflow);
+        tracing::debug!(
+            input_tokens = overflow.input_tokens,
+            context_limit = overflow.limit,
+            "the request does not fit the context window"
+        );
+        head.extensions.insert(overflow);
+        Judged::Pass
+    }
+}
+
+/// `max_tokens` as sent and as it should be, when lowering it makes the request fit.
+fn smaller_max_tokens(config: &Config, bytes: &[u8], input: u64, limit: u64) -> Option<(u64, u64)> {
+    let from: u64 = json_edit::read_value(bytes, "max_tokens")?;
+    let mut to = limit
+        .saturating_sub(input)
+        .saturating_sub(config.margin)
+        .max(config.floor);
+    let budget = json_edit::read_value::<Thinking>(bytes, "thinking").and_then(|t| t.budget_tokens);
+    if let Some(budget) = budget {
+        to = to.max(budget.saturating_add(1));
+    }
+    // Only a smaller value that fits is worth a request.
+    (to < from && input.saturating_add(to) <= limit).then_some((from, to))
+}
+
+impl<S> Ctx<S> {
     fn finish<R>(
         &mut self,
         head: http::response::Parts,
         body: RetryBody<R>,
-        overflow: Option<ContextOverflow>,
+        overflow: Option<ContextWindowExceeded>,
     ) -> Response<RetryBody<R>> {
         let mut res = Response::from_parts(head, body);
         if let Some(repaired) = self.repaired.take() {

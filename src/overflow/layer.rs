@@ -3,11 +3,11 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::ContextOverflowService;
+use super::ContextOverflow;
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::retry::DEFAULT_PEEK_LIMIT;
 
-/// Applies [`ContextOverflowService`] to a service: a request whose `max_tokens` does not fit
+/// Applies [`ContextOverflow`] to a service: a request whose `max_tokens` does not fit
 /// the context window is re-sent once with a smaller one. See the
 /// [module docs](crate::overflow).
 #[derive(Clone)]
@@ -83,10 +83,10 @@ impl Default for ContextOverflowLayer {
 }
 
 impl<S> Layer<S> for ContextOverflowLayer {
-    type Service = ContextOverflowService<S>;
+    type Service = ContextOverflow<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ContextOverflowService::from_config(inner, Arc::new(self.config.clone()))
+        ContextOverflow::from_config(inner, Arc::new(self.config.clone()))
     }
 }
 

@@ -16,7 +16,7 @@
 //!
 //! A prompt that alone is too long (Anthropic's `prompt is too long: 210000 tokens > 200000
 //! maximum`, `400` or `413`, or OpenAI's `context_length_exceeded`) cannot be repaired that
-//! way. The response goes back as it is, with a [`ContextOverflow`] extension giving the
+//! way. The response goes back as it is, with a [`ContextWindowExceeded`] extension giving the
 //! numbers, so the caller can compact the conversation. With a
 //! [`context_window_fallback`](ContextOverflowLayer::context_window_fallback) model the
 //! request is first re-sent once to that model instead.
@@ -29,7 +29,7 @@
 //! use http::{Request, Response};
 //! use http_body_util::Full;
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_llm_retry::{ContextOverflow, ContextOverflowLayer, OverflowRepaired, ReplayBody, RetryLayer};
+//! use tower_llm_retry::{ContextWindowExceeded, ContextOverflowLayer, OverflowRepaired, ReplayBody, RetryLayer};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
@@ -46,7 +46,7 @@
 //! if let Some(OverflowRepaired::MaxTokens { from, to }) = response.extensions().get() {
 //!     println!("max_tokens lowered from {from} to {to}");
 //! }
-//! if let Some(overflow) = response.extensions().get::<ContextOverflow>() {
+//! if let Some(overflow) = response.extensions().get::<ContextWindowExceeded>() {
 //!     println!("prompt too long ({:?} tokens, limit {:?}): compact and retry", overflow.input_tokens, overflow.limit);
 //! }
 //! # Ok(()) }
@@ -64,6 +64,16 @@
 //! # let _ = layer;
 //! ```
 //!
+//! # Configuration
+//!
+//! | setting | default | change with |
+//! |---|---|---|
+//! | `floor`: the least `max_tokens` a repair sends | 3,000 tokens | [`floor`](ContextOverflowLayer::floor) |
+//! | `margin`: tokens kept free below the limit | 1,000 tokens | [`margin`](ContextOverflowLayer::margin) |
+//! | model tried once when the prompt alone is too long | none | [`context_window_fallback`](ContextOverflowLayer::context_window_fallback) |
+//! | body buffer, on its own | 32 MiB | [`body_limit`](ContextOverflowLayer::body_limit) |
+//! | `400` / `413` body read to recognise an overflow | 64 KiB | [`peek_limit`](ContextOverflowLayer::peek_limit) |
+//!
 //! # Where it goes
 //!
 //! Inside [`RetryLayer`](crate::RetryLayer), which does not retry these `400`s itself: the
@@ -78,7 +88,7 @@ mod service;
 
 pub use self::future::ResponseFuture;
 pub use self::layer::ContextOverflowLayer;
-pub use self::service::ContextOverflowService;
+pub use self::service::ContextOverflow;
 
 use crate::classify::error_body::{context_overflow, Overflow};
 
@@ -108,7 +118,7 @@ pub enum OverflowRepaired {
 /// window, and the layer could not repair it. The caller has to shorten the prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct ContextOverflow {
+pub struct ContextWindowExceeded {
     /// The prompt's size in tokens, when the message gives it.
     pub input_tokens: Option<u64>,
     /// The context window in tokens, when the message gives it.
@@ -118,14 +128,14 @@ pub struct ContextOverflow {
     pub max_tokens: Option<u64>,
 }
 
-impl ContextOverflow {
+impl ContextWindowExceeded {
     /// Reads a context-overflow error body, Anthropic's or OpenAI's; `None` for any other body.
     ///
     /// ```
-    /// use tower_llm_retry::ContextOverflow;
+    /// use tower_llm_retry::ContextWindowExceeded;
     ///
     /// let body = br#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
-    /// let overflow = ContextOverflow::from_body(body).unwrap();
+    /// let overflow = ContextWindowExceeded::from_body(body).unwrap();
     /// assert_eq!((overflow.input_tokens, overflow.limit), (Some(210_000), Some(200_000)));
     /// ```
     pub fn from_body(body: &[u8]) -> Option<Self> {
@@ -133,19 +143,19 @@ impl ContextOverflow {
     }
 }
 
-impl From<Overflow> for ContextOverflow {
+impl From<Overflow> for ContextWindowExceeded {
     fn from(o: Overflow) -> Self {
         match o {
             Overflow::MaxTokens {
                 input,
                 max_tokens,
                 limit,
-            } => ContextOverflow {
+            } => ContextWindowExceeded {
                 input_tokens: Some(input),
                 limit: Some(limit),
                 max_tokens: Some(max_tokens),
             },
-            Overflow::Prompt { input, limit } => ContextOverflow {
+            Overflow::Prompt { input, limit } => ContextWindowExceeded {
                 input_tokens: input,
                 limit,
                 max_tokens: None,

@@ -15,19 +15,19 @@ use crate::retry::RetryBody;
 /// context window, with a smaller `max_tokens`.
 ///
 /// Built by [`ContextOverflowLayer`](super::ContextOverflowLayer); see the
-/// [module docs](crate::overflow). (Not `ContextOverflow<S>`: that name is the response
-/// extension, [`ContextOverflow`](super::ContextOverflow).) Errors of the inner service pass
-/// through untouched; the layer's own (body errors when it buffers the body itself) are an
+/// [module docs](crate::overflow). An overflow it cannot repair goes back with a
+/// [`ContextWindowExceeded`](super::ContextWindowExceeded) extension. Errors of the inner
+/// service pass through untouched; the layer's own (body errors when it buffers the body itself) are an
 /// [`Error`](crate::Error), boxed.
 #[derive(Clone, Debug)]
-pub struct ContextOverflowService<S> {
+pub struct ContextOverflow<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S> ContextOverflowService<S> {
+impl<S> ContextOverflow<S> {
     pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
-        ContextOverflowService { inner, config }
+        ContextOverflow { inner, config }
     }
 
     /// The wrapped service.
@@ -46,7 +46,7 @@ impl<S> ContextOverflowService<S> {
     }
 }
 
-impl<S, B, ResBody> Service<Request<B>> for ContextOverflowService<S>
+impl<S, B, ResBody> Service<Request<B>> for ContextOverflow<S>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone,
     S::Error: Into<BoxError>,

@@ -17,17 +17,17 @@ use super::layer::Config;
 use super::policy::DelayRefused;
 use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::{Held, PrepareBody, ReplayBody};
-use crate::classify::{Classification, Classify, FailureClass};
+use crate::classify::error_body::ErrorBody;
+use crate::classify::{Classification, Classify, FailureClass, SseVerdict};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
     TimeoutKind,
 };
 use crate::fleet::{GateWait, PastDeadline, Ticket};
-use crate::stream::{
-    CommitReason, OutputTruncated, ScanError, SseVerdict, StreamCommitted, StreamScan,
-};
+use crate::pipeline::{Asks, Carried, Judged};
+use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
 
-pub use self::sealed::HttpResponse;
+pub(crate) use self::sealed::HttpResponse;
 
 mod sealed {
     /// Splits an `http::Response` so the retry loop can name its body type.
@@ -139,6 +139,8 @@ struct PeekState<R> {
     head: Option<http::response::Parts>,
     peeked: Option<Peeked<R>>,
     mode: PeekMode,
+    // The questions of the companion layers inside, asked once the error body is read.
+    asks: Option<Asks>,
     // Handed on to the body the caller gets.
     idle: IdleTimer,
     span: Span,
@@ -175,7 +177,8 @@ struct Ctx<S, C> {
     config: Arc<Config<C>>,
     policy_override: Option<Box<RetryPolicy>>,
     held: Held,
-    attempt: u32,
+    // Retries so far: the attempt in flight is number `retries + 1`.
+    retries: u32,
     sent: u32,
     consecutive_overloads: u32,
     previous: Option<FailureClass>,
@@ -196,6 +199,31 @@ struct Ctx<S, C> {
     gate_passed: bool,
     // Fleet: the pacing epoch of the attempt about to start or in flight, once it has its turn.
     paced: Option<u64>,
+    // A copy of the request is kept for a retry of this attempt (not only for a companion's
+    // re-send of it).
+    kept: bool,
+    // The companion layers inside: what the next send carries for them, whether the next send
+    // is a re-send of the same attempt they asked for, how many they asked for in this
+    // attempt, and whether this attempt moved the request down a fallback chain.
+    carried: Carried,
+    resend_next: bool,
+    resends: u32,
+    stepped: bool,
+}
+
+/// A bound on the re-sends companion layers may ask for within one attempt.
+const MAX_COMPANION_RESENDS: u32 = 32;
+
+/// What the companion layers' questions about a response came to.
+enum Answer {
+    /// Go on as the classifier says.
+    Go,
+    /// The same attempt again, at once.
+    Resend,
+    /// End the request with this error.
+    Final(Error),
+    /// Return the response without a retry.
+    Keep,
 }
 
 /// What the loop does after judging an attempt.
@@ -227,7 +255,7 @@ where
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
-            .field("attempt", &self.ctx.attempt)
+            .field("attempt", &(self.ctx.retries + 1))
             .finish()
     }
 }
@@ -262,7 +290,7 @@ where
             config,
             policy_override: policy_override.map(Box::new),
             held: Held::new(parts),
-            attempt: 0,
+            retries: 0,
             sent: 0,
             consecutive_overloads: 0,
             previous: None,
@@ -276,6 +304,11 @@ where
             model: None,
             gate_passed: false,
             paced: None,
+            kept: false,
+            carried: Carried::default(),
+            resend_next: false,
+            resends: 0,
+            stepped: false,
         };
         let state = State::Buffering {
             prepare: PrepareBody::new(body, ctx.config.body_limit),
@@ -337,7 +370,12 @@ where
                             this.state.set(State::Done);
                             return Poll::Ready(Err(ctx.cancelled()));
                         }
-                        match ctx.admit() {
+                        // A companion's re-send of the same attempt was admitted with it.
+                        let admission = match ctx.resend_next {
+                            true => Ok(None),
+                            false => ctx.admit(),
+                        };
+                        match admission {
                             Ok(Some(wait)) => {
                                 this.state.set(wait);
                                 continue;
@@ -430,21 +468,41 @@ where
                             return Poll::Ready(Err(finish_error(ErrorKind::Service, e, None)));
                         }
                         Ok(res) => {
-                            let (head, body) = res.into_parts();
+                            let (mut head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
-                            if let Some(mode) = ctx.peek_mode(&head) {
+                            let asks = head.extensions.remove::<Asks>();
+                            if let Some(mode) = ctx.peek_mode(&head, asks.as_ref()) {
                                 this.state.set(State::Peeking {
                                     peek: Box::new(PeekState {
                                         head: Some(head),
                                         peeked: Some(Peeked::new(body)),
                                         mode,
+                                        asks,
                                         idle: IdleTimer::new(ctx.policy().get_idle_timeout()),
                                         span,
                                     }),
                                 });
                                 continue;
                             }
-                            let c = ctx.config.classifier.classify_response(&head, None);
+                            let answer = match &asks {
+                                Some(asks) => ctx.answer(asks, &mut head, None),
+                                None => Answer::Go,
+                            };
+                            let mut c = ctx.config.classifier.classify_response(&head, None);
+                            match answer {
+                                Answer::Go => {}
+                                Answer::Keep => c = kept(c),
+                                Answer::Resend => {
+                                    drop((head, body));
+                                    this.state.set(State::Ready { watch: None });
+                                    continue;
+                                }
+                                Answer::Final(err) => {
+                                    this.state.set(State::Done);
+                                    let status = Some(head.status);
+                                    return Poll::Ready(Err(ctx.final_error(err, status, &span)));
+                                }
+                            }
                             // Fleet: a Retry-After or exhausted rate-limit headers may close
                             // the gate.
                             ctx.config
@@ -476,8 +534,15 @@ where
                             }
                         }
                         Err(e) => {
-                            let not_sent = ctx.config.classifier.request_not_sent(&*e);
-                            let c = ctx.config.classifier.classify_error(&*e);
+                            // An inner layer's final word ends the request whatever the
+                            // classifier would say.
+                            let (c, not_sent) = match final_class(&*e) {
+                                Some(class) => (Classification::fail(class), false),
+                                None => (
+                                    ctx.config.classifier.classify_error(&*e),
+                                    ctx.config.classifier.request_not_sent(&*e),
+                                ),
+                            };
                             match ctx.judge(&c, None, Some(&*e), not_sent, &span) {
                                 Verdict::Retry(delay) => {
                                     let state = ctx.sleep(delay);
@@ -516,6 +581,7 @@ where
                         head,
                         peeked,
                         mode,
+                        asks,
                         idle,
                         span,
                     } = &mut **peek;
@@ -530,11 +596,35 @@ where
                         cx,
                     ));
                     let mode = std::mem::replace(mode, PeekMode::ErrorBody);
-                    let head = head.take().expect("peek state holds the head");
+                    let mut head = head.take().expect("peek state holds the head");
                     let mut peeked = peeked.take().expect("peek state holds the body");
                     let span = std::mem::replace(span, Span::none());
                     let idle = std::mem::replace(idle, IdleTimer::new(None));
                     let status = Some(head.status);
+                    // The companions inside decide from the error body as read here, parsed
+                    // once for all of them.
+                    let answer = match (&outcome, asks.take()) {
+                        (Peek::ErrorBody, Some(asks)) => {
+                            let bytes = peeked.contiguous();
+                            let parsed = ErrorBody::parse(&bytes);
+                            ctx.answer(&asks, &mut head, Some(&parsed))
+                        }
+                        (_, Some(asks)) => ctx.answer(&asks, &mut head, None),
+                        (_, None) => Answer::Go,
+                    };
+                    let keep = match answer {
+                        Answer::Go => false,
+                        Answer::Keep => true,
+                        Answer::Resend => {
+                            drop((head, peeked));
+                            this.state.set(State::Ready { watch: None });
+                            continue;
+                        }
+                        Answer::Final(err) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.final_error(err, status, &span)));
+                        }
+                    };
                     let (c, commit, error) = match outcome {
                         Peek::ErrorBody => {
                             let c = ctx
@@ -554,6 +644,7 @@ where
                             (Classification::retry(class), None, peeked.error.take())
                         }
                     };
+                    let c = if keep { kept(c) } else { c };
                     // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
                     ctx.config
                         .fleet
@@ -644,7 +735,7 @@ where
                             this.state.set(State::Done);
                             ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
                             let trail = ctx.finished_trail();
-                            if ctx.attempt > 0 {
+                            if ctx.retries > 0 {
                                 if let Some(observer) = &ctx.config.observer {
                                     observer.on_give_up(&trail);
                                 }
@@ -866,8 +957,8 @@ where
     }
 
     /// Whether, and how, the start of this response's body must be read before deciding.
-    fn peek_mode(&self, head: &http::response::Parts) -> Option<PeekMode> {
-        if self.config.classifier.wants_body(head) {
+    fn peek_mode(&self, head: &http::response::Parts, asks: Option<&Asks>) -> Option<PeekMode> {
+        if self.config.classifier.wants_body(head) || asks.is_some_and(|a| a.wants_body(head)) {
             return Some(PeekMode::ErrorBody);
         }
         if !head.status.is_success() {
@@ -888,26 +979,35 @@ where
         B: Body,
         B::Error: Into<BoxError>,
     {
-        self.sent += 1;
-        // Fleet: first attempts pay into the shared retry budget.
-        if self.attempt == 0 {
-            self.config.fleet.deposit();
+        // A companion's re-send is the same attempt: not counted, paid or admitted again.
+        if !std::mem::take(&mut self.resend_next) {
+            self.sent += 1;
+            // Fleet: first attempts pay into the shared retry budget.
+            if self.retries == 0 {
+                self.config.fleet.deposit();
+            }
+            self.gate_passed = false;
         }
-        self.gate_passed = false;
-        let last = self.one_shot || self.attempt >= self.policy().get_max_retries();
-        // The first attempt sends the caller's own request; a copy is kept while a retry can
-        // follow.
-        let (mut parts, body) = self.held.send(!last).into_parts();
+        let last = self.one_shot || self.retries >= self.policy().get_max_retries();
+        self.kept = !last;
+        // The first attempt sends the caller's own request. A copy is kept while a retry can
+        // follow, and on the last attempt too, for a companion layer's re-send.
+        let (mut parts, body) = self.held.send(!self.one_shot).into_parts();
+        let carries = self.carried != Carried::default();
         parts.extensions.insert(AttemptContext {
-            attempt: self.attempt,
+            attempt: self.retries + 1,
             previous: self.previous,
             consecutive_overloads: self.consecutive_overloads,
             max_retries: self.policy().get_max_retries(),
+            carries,
         });
-        if let Some(name) = &self.config.attempt_header {
+        if carries {
+            parts.extensions.insert(self.carried.clone());
+        }
+        if let Some(name) = &self.config.retry_count_header {
             parts
                 .headers
-                .insert(name.clone(), HeaderValue::from(self.attempt));
+                .insert(name.clone(), HeaderValue::from(self.retries));
         }
         let span = tracing::debug_span!(
             "llm_retry.attempt",
@@ -920,8 +1020,8 @@ where
             "gen_ai.request.model" = tracing::field::Empty,
         );
         if !span.is_disabled() {
-            if self.attempt > 0 {
-                span.record("http.request.resend_count", self.attempt);
+            if self.retries > 0 {
+                span.record("http.request.resend_count", self.retries);
             }
             let model = self
                 .model
@@ -951,8 +1051,10 @@ where
             // The same attempt again, at once.
             return State::Ready { watch: None };
         }
-        self.attempt += 1;
+        self.retries += 1;
         self.transparent_used = false;
+        self.resends = 0;
+        self.carried.next_attempt();
         State::Sleeping {
             sleep: Box::pin(tokio::time::sleep(delay)),
             watch: self.watch(),
@@ -992,6 +1094,7 @@ where
         // request allowed no retries is sent exactly once.
         if c.class() == Some(FailureClass::NotProcessed)
             && !self.transparent_used
+            && self.kept
             && self.held.can_resend()
             && !self.is_cancelled()
         {
@@ -1003,7 +1106,7 @@ where
             return Err(GiveUpReason::NotReplaySafe);
         }
         let policy = self.policy();
-        if self.attempt >= policy.get_max_retries() {
+        if self.retries >= policy.get_max_retries() {
             return Err(GiveUpReason::MaxRetries);
         }
         if let Some(limit) = policy.get_max_consecutive_overloads() {
@@ -1014,7 +1117,7 @@ where
         if self.is_cancelled() {
             return Err(GiveUpReason::Cancelled);
         }
-        let delay = match policy.delay(self.attempt + 1, c.retry_after()) {
+        let delay = match policy.delay(self.retries + 1, c.retry_after()) {
             Ok(d) => d,
             Err(DelayRefused::RetryAfterTooLong) => return Err(GiveUpReason::RetryAfterTooLong),
         };
@@ -1082,12 +1185,65 @@ where
     }
 
     fn note_class(&mut self, class: Option<FailureClass>) {
-        if class == Some(FailureClass::Overloaded) {
+        let overloaded = class == Some(FailureClass::Overloaded);
+        if overloaded {
             self.consecutive_overloads += 1;
         } else {
             self.consecutive_overloads = 0;
         }
+        self.carried
+            .note_overload(overloaded, std::mem::take(&mut self.stepped));
         self.previous = class;
+    }
+
+    /// Asks the companion layers' questions about a response. A re-send is granted while a
+    /// copy of the request is kept, within [`MAX_COMPANION_RESENDS`] an attempt.
+    fn answer(
+        &mut self,
+        asks: &Asks,
+        head: &mut http::response::Parts,
+        body: Option<&ErrorBody>,
+    ) -> Answer {
+        let mut carried = self.carried.clone();
+        match asks.judge(head, body, &mut carried) {
+            Judged::Pass => Answer::Go,
+            Judged::Step => {
+                self.stepped = true;
+                Answer::Go
+            }
+            Judged::Keep => Answer::Keep,
+            Judged::Final(err) => Answer::Final(err),
+            Judged::Resend
+                if self.resends < MAX_COMPANION_RESENDS
+                    && self.held.can_resend()
+                    && !self.is_cancelled() =>
+            {
+                self.resends += 1;
+                self.carried = carried;
+                self.resend_next = true;
+                tracing::debug!(
+                    attempt = self.retries + 1,
+                    status = head.status.as_u16(),
+                    "a layer inside asked to re-send the attempt at once"
+                );
+                Answer::Resend
+            }
+            Judged::Resend => Answer::Go,
+        }
+    }
+
+    /// Ends the request with an inner layer's final error, the trail recording the attempt.
+    fn final_error(&mut self, err: Error, status: Option<http::StatusCode>, span: &Span) -> Error {
+        let class = final_class(&err).unwrap_or(FailureClass::Other);
+        let _ = self.judge(
+            &Classification::fail(class),
+            status,
+            Some(&err),
+            false,
+            span,
+        );
+        let trail = self.finished_trail();
+        err.with_trail(trail)
     }
 
     /// Judges one attempt: records a failure, then decides what comes next.
@@ -1113,7 +1269,7 @@ where
         span.record("error.type", class.as_str());
         self.note_class(Some(class));
         self.trail.push(AttemptRecord {
-            attempt: self.attempt,
+            attempt: self.retries + 1,
             class,
             status,
             retry_after: c.retry_after(),
@@ -1148,7 +1304,7 @@ where
         let max_retries = self.policy().get_max_retries();
         tracing::info!(
             parent: span,
-            attempt = self.attempt,
+            attempt = self.retries + 1,
             "error.type" = class.as_str(),
             status = status.map(|s| s.as_u16()),
             delay_ms = delay.as_millis() as u64,
@@ -1157,8 +1313,7 @@ where
         );
         if let Some(observer) = &self.config.observer {
             observer.on_retry(&RetryEvent {
-                attempt: self.attempt,
-                retry: self.attempt + 1,
+                attempt: self.retries + 1,
                 class,
                 status,
                 error,
@@ -1172,11 +1327,11 @@ where
     fn give_up(&mut self, c: &Classification, reason: GiveUpReason, span: &Span) {
         self.trail.set_gave_up(reason);
         // A plain "no" (a 404, say) on a first attempt is no give-up: there was nothing to try.
-        if c.is_retryable() || self.attempt > 0 {
+        if c.is_retryable() || self.retries > 0 {
             let class = c.class().unwrap_or(FailureClass::Other);
             tracing::warn!(
                 parent: span,
-                attempts = self.attempt + 1,
+                attempts = self.retries + 1,
                 "error.type" = class.as_str(),
                 reason = ?reason,
                 "giving up on LLM request"
@@ -1207,7 +1362,37 @@ fn finish_error(kind: ErrorKind, e: BoxError, trail: Option<RetryTrail>) -> Erro
     }
 }
 
+/// The class of an inner layer's final error ([`Error::is_final`]), anywhere in `error`'s
+/// source chain: such an error ends the request before any classifier runs.
+fn final_class(error: &(dyn std::error::Error + 'static)) -> Option<FailureClass> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(e) = e.downcast_ref::<Error>() {
+            match e.kind() {
+                ErrorKind::TokenRefresh => return Some(FailureClass::Unauthorized),
+                ErrorKind::FallbackTriggered => return Some(FailureClass::Overloaded),
+                _ => {}
+            }
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// A classification turned into "no retry", keeping its class and Retry-After.
+fn kept(c: Classification) -> Classification {
+    match c.class() {
+        Some(class) if c.is_retryable() => {
+            Classification::fail(class).with_retry_after(c.retry_after())
+        }
+        _ => c,
+    }
+}
+
 /// The top-level `"model"` of a JSON request body, for the tracing span.
 fn request_model(body: &[u8]) -> Option<String> {
     crate::json_edit::read_value(body, "model")
 }
+
+#[cfg(test)]
+mod tests;

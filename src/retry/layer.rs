@@ -8,7 +8,7 @@ use tower_layer::Layer;
 use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
-use crate::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
+use crate::fleet::Fleet;
 
 /// The default bound on how much of an error body is read to classify it.
 pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
@@ -29,12 +29,13 @@ pub(crate) struct Config<C> {
     pub(crate) peek_limit: usize,
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) observer: Option<Arc<dyn RetryObserver>>,
-    pub(crate) attempt_header: Option<HeaderName>,
+    pub(crate) retry_count_header: Option<HeaderName>,
     pub(crate) sse_gate: bool,
     pub(crate) stream_end_check: bool,
     pub(crate) buffer_responses: Option<usize>,
-    /// Shared by every service made from this layer and its clones.
-    pub(crate) fleet: Arc<Fleet>,
+    /// Shared by every service made from this layer and its clones, and by every other layer
+    /// given a clone of it.
+    pub(crate) fleet: Fleet,
 }
 
 impl RetryLayer {
@@ -49,11 +50,11 @@ impl RetryLayer {
                 peek_limit: DEFAULT_PEEK_LIMIT,
                 cancel: None,
                 observer: None,
-                attempt_header: None,
+                retry_count_header: None,
                 sse_gate: true,
                 stream_end_check: true,
                 buffer_responses: None,
-                fleet: Fleet::new(Some(BudgetConfig::default()), None, None),
+                fleet: Fleet::default(),
             },
         }
     }
@@ -83,7 +84,7 @@ impl<C> RetryLayer<C> {
                 peek_limit: c.peek_limit,
                 cancel: c.cancel,
                 observer: c.observer,
-                attempt_header: c.attempt_header,
+                retry_count_header: c.retry_count_header,
                 sse_gate: c.sse_gate,
                 stream_end_check: c.stream_end_check,
                 buffer_responses: c.buffer_responses,
@@ -123,50 +124,27 @@ impl<C> RetryLayer<C> {
         self
     }
 
-    /// Sends the attempt number (0 for the first attempt, then 1, 2, …) in this request
-    /// header, as the official SDKs do with `x-stainless-retry-count`. Defaults to none.
-    pub fn attempt_header(mut self, name: HeaderName) -> Self {
-        self.config.attempt_header = Some(name);
+    /// Sends, in this request header, how many retries came before the attempt: 0 on the
+    /// first attempt, 1 on the second, and so on (attempt number − 1), as the official SDKs
+    /// do with `x-stainless-retry-count`. Defaults to none.
+    pub fn retry_count_header(mut self, name: HeaderName) -> Self {
+        self.config.retry_count_header = Some(name);
         self
     }
 
-    /// The retry budget shared by every service made from this layer (and their clones):
-    /// retries beyond it are not made, and the trail says so. `None` turns it off. See
-    /// [`fleet`](crate::fleet). Defaults to [`BudgetConfig::default`]: a 10 s window,
-    /// 10 retries a second plus 20 % of first attempts.
-    pub fn budget(mut self, budget: Option<BudgetConfig>) -> Self {
-        self.config.fleet = Fleet::new(
-            budget,
-            self.config.fleet.gate_config(),
-            self.config.fleet.pacing_config(),
-        );
+    /// The [`Fleet`] whose retry budget, cooldown gate and pacing this layer's requests
+    /// share, with every other layer (or middleware) given a clone of it. See
+    /// [`fleet`](crate::fleet). Defaults to a fleet of the layer's own,
+    /// [`Fleet::default`] (the default budget, no gate, no pacing), built with the layer and
+    /// shared by its services and its clones.
+    pub fn fleet(mut self, fleet: Fleet) -> Self {
+        self.config.fleet = fleet;
         self
     }
 
-    /// The cooldown gate shared by every service made from this layer (and their clones): a
-    /// `429` / `529` with `Retry-After`, or rate-limit headers saying nothing is left, hold
-    /// every attempt until then, and release them spread out. See [`fleet`](crate::fleet).
-    /// Defaults to `None` (off).
-    pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
-        self.config.fleet = Fleet::new(
-            self.config.fleet.budget_config(),
-            gate,
-            self.config.fleet.pacing_config(),
-        );
-        self
-    }
-
-    /// Adaptive pacing shared by every service made from this layer (and their clones):
-    /// attempts leave evenly spaced at a rate that grows with successes and shrinks on `429` /
-    /// overload, the rest waiting their turn in arrival order. See [`PacingConfig`]. Defaults
-    /// to `None` (off).
-    pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
-        self.config.fleet = Fleet::new(
-            self.config.fleet.budget_config(),
-            self.config.fleet.gate_config(),
-            pacing,
-        );
-        self
+    /// The fleet this layer's requests share, to read its state or hand it on.
+    pub fn get_fleet(&self) -> &Fleet {
+        &self.config.fleet
     }
 }
 
@@ -227,7 +205,7 @@ impl<C: fmt::Debug> fmt::Debug for Config<C> {
             .field("peek_limit", &self.peek_limit)
             .field("cancellation", &self.cancel.is_some())
             .field("observer", &self.observer.is_some())
-            .field("attempt_header", &self.attempt_header)
+            .field("retry_count_header", &self.retry_count_header)
             .field("sse_gate", &self.sse_gate)
             .field("stream_end_check", &self.stream_end_check)
             .field("buffer_responses", &self.buffer_responses)

@@ -55,7 +55,7 @@
 //!             .retry_after_max(Duration::from_secs(30)),
 //!     )
 //!     .body_limit(8 * 1024 * 1024)
-//!     .attempt_header(HeaderName::from_static("x-stainless-retry-count"))
+//!     .retry_count_header(HeaderName::from_static("x-stainless-retry-count"))
 //!     .observer(LogRetries)
 //!     .cancellation(shutdown.clone());
 //! # let _ = layer;
@@ -64,16 +64,122 @@
 //! # What happens to one request
 //!
 //! 1. The body is read once into [`Bytes`](bytes::Bytes), under the body limit. Every attempt
-//!    sends the same bytes and headers, plus an [`AttemptContext`] extension (and, opt-in, an
-//!    attempt-count header).
+//!    sends the same bytes and headers, plus an [`AttemptContext`] extension (and, opt-in, a
+//!    retry-count header).
 //! 2. Each attempt's outcome goes to the [`Classify`](crate::classify::Classify)
-//!    implementation. For 4xx and 5xx responses the start of the body (64 KiB by default) is
-//!    read first, so that `overloaded_error` or an exhausted quota can be told apart; the
-//!    caller still receives the whole body.
-//! 3. A retryable failure sleeps for the server's `Retry-After` or the policy's backoff, then
-//!    tries again; the inner service is polled ready before each attempt.
-//! 4. The result is the last response (with a [`RetryTrail`] extension if
-//!    any attempt failed), or an [`Error`](crate::Error) whose kind says why.
+//!    implementation (the default's table is in [`classify`](crate::classify)). For 4xx and 5xx
+//!    responses the start of the body (64 KiB by default) is read first, so that
+//!    `overloaded_error` or an exhausted quota can be told apart; the caller still receives the
+//!    whole body. A `text/event-stream` response is held back until its first output (see
+//!    [`stream`](crate::stream)).
+//! 3. A retryable failure goes through the checks [below](#after-the-verdict), sleeps for the
+//!    server's `Retry-After` or the policy's backoff, then tries again; the inner service is
+//!    polled ready before each attempt.
+//! 4. The result is the last response (with a [`RetryTrail`] extension if any attempt failed),
+//!    or an [`Error`](crate::Error) whose kind says why.
+//!
+//! # Attempt numbers
+//!
+//! Attempts are numbered from 1: the first attempt is attempt 1, the first retry attempt 2.
+//! Every `attempt` in the crate counts this way ([`AttemptContext::attempt`],
+//! [`AttemptRecord::attempt`](crate::AttemptRecord::attempt), [`RetryEvent::attempt`], the
+//! `attempt` field of the log events). What counts retries says so in its name and counts
+//! from 0: [`RetryPolicy::max_retries`], the [retry-count header](RetryLayer::retry_count_header)
+//! (attempt − 1, as the official SDKs' `x-stainless-retry-count`), and the span field
+//! `http.request.resend_count`. A [`RetryTrail`]'s
+//! [`total_attempts`](crate::RetryTrail::total_attempts) counts every request sent, including
+//! the immediate re-send of one the server provably never processed.
+//!
+//! # Companion layers inside the loop
+//!
+//! [`AuthLayer`](crate::AuthLayer), [`ModelFallbackLayer`](crate::ModelFallbackLayer) and
+//! [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside a `RetryLayer` keep no copy of
+//! the request and read no error body of their own: they edit each send on its way in, and
+//! ask the loop about the answer. The loop reads the error body once, parses it once for all
+//! of them, and does what they ask:
+//!
+//! - re-send the same attempt at once (a fresh credential after a `401`, the next pool key
+//!   after a `429`, a repaired `max_tokens`): not a retry, so no backoff, no budget, no new
+//!   attempt number, and the fleet does not learn from the answer it replaces;
+//! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh),
+//!   [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)), or return the
+//!   response without a retry (an overload from the last model of a fallback chain): these hold
+//!   whatever the classifier says, so a custom [`Classify`](crate::Classify) cannot retry them;
+//! - send the next attempt one model further down the fallback chain.
+//!
+//! A repair is carried by every later attempt of the request. Between the loop and a
+//! companion, the request body must stay a [`ReplayBody`](crate::ReplayBody): a layer that maps
+//! the body in between makes the companion work on its own (buffering and re-sending itself),
+//! as it does without a `RetryLayer`.
+//!
+//! # Defaults
+//!
+//! | setting | default | change with |
+//! |---|---|---|
+//! | retries | 10 | [`RetryPolicy::max_retries`], or `LLM_MAX_RETRIES` (0 to 1,000) through [`RetryPolicy::from_env`] |
+//! | backoff before retry *n* | `min(0.5 s · 2^(n−1), 32 s)`: 0.5, 1, 2, 4, 8, 16, 32, 32 … s | [`initial_backoff`](RetryPolicy::initial_backoff), [`max_backoff`](RetryPolicy::max_backoff), [`multiplier`](RetryPolicy::multiplier) |
+//! | jitter | `+U[0, 25 %]` of the backoff (only the sleep, never the request) | [`RetryPolicy::jitter`] with [`Jitter`]`::{none, add, subtract, symmetric}`; [`Random::seeded`] for tests |
+//! | `Retry-After` | honoured as sent, from 0 up to 60 s; the backoff is no floor under it | [`retry_after_min`](RetryPolicy::retry_after_min), [`retry_after_max`](RetryPolicy::retry_after_max), [`backoff_is_floor`](RetryPolicy::backoff_is_floor), [`ignore_zero_retry_after`](RetryPolicy::ignore_zero_retry_after) |
+//! | `Retry-After` above 60 s | give up and return the response | [`above_ceiling`](RetryPolicy::above_ceiling) with [`AboveCeiling`]`::{GiveUp, UseBackoff, Clamp}` |
+//! | consecutive overloads | no limit | [`max_consecutive_overloads`](RetryPolicy::max_consecutive_overloads) |
+//! | time to response head, per attempt | 600 s; a stall is retried as `Transport` | [`head_timeout`](RetryPolicy::head_timeout) |
+//! | idle time between body frames | 600 s; retried before a stream's commit point, [`IdleTimeout`](crate::ErrorKind::IdleTimeout) after | [`idle_timeout`](RetryPolicy::idle_timeout) |
+//! | total deadline | none; when set, no attempt starts after it, a retry whose sleep would reach it is not made, every wait (gate, pacing line, `poll_ready`) ends at it, and each attempt's head timeout is cut to what is left | [`deadline`](RetryPolicy::deadline) |
+//! | request body buffer | 32 MiB (Anthropic's request limit) | [`RetryLayer::body_limit`] |
+//! | error body, or SSE preamble, read before deciding | 64 KiB (the caller still gets all of it) | [`RetryLayer::peek_limit`] |
+//! | retry-count header | none | [`RetryLayer::retry_count_header`] (`x-stainless-retry-count`, as the official SDKs) |
+//! | SSE first-event gate | on for `text/event-stream` | [`RetryLayer::sse_gate`] |
+//! | stream end check (a clean cut before the terminal event is an error) | on | [`RetryLayer::stream_end_check`] |
+//! | read 2xx bodies whole inside the loop, retrying truncated ones | off | [`RetryLayer::buffer_responses`] |
+//! | classifier | [`DefaultClassifier`](crate::DefaultClassifier) | [`RetryLayer::classifier`] |
+//! | shutdown token | none | [`RetryLayer::cancellation`] |
+//! | observer | none | [`RetryLayer::observer`] |
+//! | retry budget, shared by every layer given one fleet | on | [`RetryLayer::fleet`] with [`FleetBuilder::budget`](crate::fleet::FleetBuilder::budget); settings in [`fleet`](crate::fleet#configuration) |
+//! | cooldown gate, shared likewise | off | [`FleetBuilder::cooldown_gate`](crate::fleet::FleetBuilder::cooldown_gate); settings in [`fleet`](crate::fleet#configuration) |
+//! | adaptive pacing, shared likewise | off | [`FleetBuilder::pacing`](crate::fleet::FleetBuilder::pacing); settings in [`fleet`](crate::fleet#configuration) |
+//!
+//! The presets ([`RetryPolicy::sdk_compatible`], [`patient`](RetryPolicy::patient),
+//! [`interactive`](RetryPolicy::interactive), [`never`](RetryPolicy::never)) and what each does
+//! with a `Retry-After` are listed on [`RetryPolicy`].
+//!
+//! # After the verdict
+//!
+//! A failed attempt is recorded in the trail, then the loop decides, in this order (the first
+//! that applies wins):
+//!
+//! 1. Not retryable by the classifier: stop ([`GiveUpReason::NotRetryable`](crate::GiveUpReason)).
+//! 2. Class [`NotProcessed`](crate::FailureClass::NotProcessed), the first such failure of this
+//!    attempt, a copy of the request kept, no shutdown signalled: re-sent at once, also when
+//!    [`NotReplaySafe`]; no sleep, not counted as a retry, nothing drawn from the budget (see
+//!    [`classify`](crate::classify#http2-proofs-that-a-request-was-never-processed)).
+//! 3. [`NotReplaySafe`] and the failure does not prove the request was never sent
+//!    ([`Classify::request_not_sent`](crate::Classify::request_not_sent)): stop.
+//! 4. Retries used up (`max_retries`): stop.
+//! 5. The policy's limit of consecutive overloads reached: stop.
+//! 6. The shutdown token fired: stop with [`ErrorKind::Cancelled`](crate::ErrorKind::Cancelled).
+//! 7. The sleep: the `Retry-After` clamped to `[retry_after_min, retry_after_max]`, or the
+//!    jittered backoff. A `Retry-After` above the ceiling gives up under
+//!    [`AboveCeiling::GiveUp`] (the default), and is replaced by the backoff or the ceiling under
+//!    the others. A retryable verdict does not override this: `x-should-retry: true` with a
+//!    `Retry-After` of an hour still gives up under the default policy.
+//! 8. The deadline: a retry that would start at or after it (after the sleep, or after the
+//!    cooldown gate reopens) is not made.
+//! 9. The fleet's retry budget refuses the retry: stop.
+//!
+//! Otherwise the loop sleeps; the sleep, and the waits at the gate, in the pacing line and for
+//! the service to be ready, end early on the shutdown token ([`ErrorKind::Cancelled`](crate::ErrorKind::Cancelled))
+//! or the deadline ([`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded)).
+//!
+//! When the loop stops on a response, that response is returned with a [`RetryTrail`] whose
+//! [`gave_up`](RetryTrail::gave_up) says why. When it stops on an error, the error's kind is
+//! [`Exhausted`](crate::ErrorKind::Exhausted) for retries used up, an overlong `Retry-After`,
+//! too many overloads and the deadline; [`BudgetExhausted`](crate::ErrorKind::BudgetExhausted)
+//! for the budget; [`Service`](crate::ErrorKind::Service) for a failure that was not retried (a
+//! final error of an inner layer is returned as it is).
+//!
+//! Dropping the response future stops everything at once: the attempt in flight is dropped with
+//! it. The shutdown token ([`RetryLayer::cancellation`]) ends waits at once and lets an attempt
+//! already in flight finish; no further attempt starts.
 //!
 //! # Differences from `tower::retry`
 //!
@@ -88,9 +194,10 @@
 //! # Replay safety
 //!
 //! Mark a request with [`NotReplaySafe`] when sending it twice would do harm: it is then
-//! retried only when the failure proves nothing reached the server (the connection was
-//! refused). [`NoRetry`] turns retries off for one request, and a [`RetryPolicy`] in the
-//! request extensions replaces the layer's policy for that request.
+//! retried only when the failure proves nothing reached the server (a refused connection, or
+//! one of the HTTP/2 proofs in [`classify`](crate::classify)). [`NoRetry`] turns retries off for
+//! one request, and a [`RetryPolicy`] in the request extensions replaces the layer's policy for
+//! that request.
 
 pub(crate) mod body;
 mod future;
@@ -104,7 +211,10 @@ use http::StatusCode;
 
 pub use self::body::RetryBody;
 pub(crate) use self::future::ResBodyOf;
-pub use self::future::{HttpResponse, ResponseFuture};
+pub use self::future::ResponseFuture;
+// Sealed: it appears in the bounds of the response futures, but cannot be named or implemented
+// outside the crate.
+pub(crate) use self::future::HttpResponse;
 #[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
@@ -120,7 +230,8 @@ use crate::error::RetryTrail;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AttemptContext {
-    /// This attempt's number: 0 for the first, 1 for the first retry, and so on.
+    /// This attempt's number: 1 for the first, 2 for the first retry, and so on (see
+    /// [Attempt numbers](crate::retry#attempt-numbers)).
     pub attempt: u32,
     /// How the previous attempt failed, if there was one.
     pub previous: Option<FailureClass>,
@@ -128,6 +239,8 @@ pub struct AttemptContext {
     pub consecutive_overloads: u32,
     /// The most retries the policy allows this request.
     pub max_retries: u32,
+    /// The loop carries state for the companion layers in a `Carried` extension too.
+    pub(crate) carries: bool,
 }
 
 /// Request extension: send this request once, never retry it.
@@ -144,10 +257,9 @@ pub struct NotReplaySafe;
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct RetryEvent<'a> {
-    /// The attempt that failed: 0 for the first.
+    /// The attempt that failed: 1 for the first. The retry about to be made is attempt
+    /// `attempt + 1`.
     pub attempt: u32,
-    /// The retry about to be made: 1 for the first.
-    pub retry: u32,
     /// How the attempt failed.
     pub class: FailureClass,
     /// The response status, when the attempt got a response.

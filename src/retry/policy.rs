@@ -318,7 +318,8 @@ impl RetryPolicy {
         self
     }
 
-    /// The backoff before the first retry. Defaults to 500 ms.
+    /// The backoff before the first retry. Defaults to 500 ms. Larger than
+    /// [`max_backoff`](Self::max_backoff), every backoff is `max_backoff`: the bound wins.
     pub fn initial_backoff(mut self, d: Duration) -> Self {
         self.initial_backoff = d;
         self
@@ -353,7 +354,8 @@ impl RetryPolicy {
         self
     }
 
-    /// The shortest wait a `Retry-After` can cause. Defaults to zero.
+    /// The shortest wait a `Retry-After` can cause. Defaults to zero. Above
+    /// [`retry_after_max`](Self::retry_after_max), the ceiling wins.
     pub fn retry_after_min(mut self, d: Duration) -> Self {
         self.retry_after_min = d;
         self
@@ -442,8 +444,48 @@ impl RetryPolicy {
         self.retry_after_max
     }
 
+    /// The shortest wait a `Retry-After` can cause.
+    pub fn get_retry_after_min(&self) -> Duration {
+        self.retry_after_min
+    }
+
+    /// What is done with a `Retry-After` above the ceiling.
+    pub fn get_above_ceiling(&self) -> AboveCeiling {
+        self.above_ceiling
+    }
+
+    /// Whether `Retry-After: 0` is ignored in favour of the computed backoff.
+    pub fn get_ignore_zero_retry_after(&self) -> bool {
+        self.ignore_zero_retry_after
+    }
+
+    /// Whether the computed backoff is a floor under a `Retry-After`.
+    pub fn get_backoff_is_floor(&self) -> bool {
+        self.backoff_is_floor
+    }
+
+    /// The backoff before the first retry.
+    pub fn get_initial_backoff(&self) -> Duration {
+        self.initial_backoff
+    }
+
+    /// The largest computed backoff, before jitter.
+    pub fn get_max_backoff(&self) -> Duration {
+        self.max_backoff
+    }
+
+    /// The growth factor of the backoff.
+    pub fn get_multiplier(&self) -> f64 {
+        self.multiplier
+    }
+
+    /// How the backoff is randomised.
+    pub fn get_jitter(&self) -> Jitter {
+        self.jitter
+    }
+
     /// Where jitter samples come from (also the cooldown gate's spread).
-    pub(crate) fn random_source(&self) -> &Random {
+    pub fn get_random(&self) -> &Random {
         &self.random
     }
 
@@ -491,7 +533,8 @@ impl RetryPolicy {
                 AboveCeiling::Clamp => self.retry_after_max,
             }
         } else {
-            ra.max(self.retry_after_min)
+            // A floor set above the ceiling: the ceiling wins.
+            ra.max(self.retry_after_min).min(self.retry_after_max)
         };
         if self.backoff_is_floor {
             Ok(ra.max(self.backoff(n)))
@@ -507,6 +550,21 @@ mod tests {
 
     fn secs(v: &[f64]) -> Vec<Duration> {
         v.iter().map(|s| Duration::from_secs_f64(*s)).collect()
+    }
+
+    #[test]
+    fn crossed_bounds_are_settled_by_the_bound() {
+        let p = RetryPolicy::default()
+            .jitter(Jitter::none())
+            .initial_backoff(Duration::from_secs(10))
+            .max_backoff(Duration::from_secs(2));
+        let got: Vec<_> = (1..=3).map(|n| p.delay(n, None).unwrap()).collect();
+        assert_eq!(got, secs(&[2.0, 2.0, 2.0]));
+        let p = RetryPolicy::default()
+            .retry_after_min(Duration::from_secs(90))
+            .retry_after_max(Duration::from_secs(60));
+        let ra = Some(Duration::from_secs(5));
+        assert_eq!(p.delay(1, ra).unwrap(), Duration::from_secs(60));
     }
 
     #[test]

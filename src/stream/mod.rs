@@ -17,49 +17,90 @@
 //!                                                  from the first one on; no re-send after it
 //! ```
 //!
-//! - Before the commit point, an in-band error event maps to its HTTP twin
-//!   (`overloaded_error` → 529, `rate_limit_error` → 429, `api_error` → 500) and goes through
-//!   the ordinary retry path; a stall longer than the idle timeout, or a dropped connection,
-//!   is retried as a transport failure.
+//! - Before the commit point, an in-band error event maps to its HTTP twin (table below) and
+//!   goes through the ordinary retry path; a stall longer than the idle timeout, a dropped
+//!   connection, or a clean end before any output and before the protocol's terminal event is
+//!   retried as a transport failure.
 //! - After it, nothing is re-sent: a later error event reaches the caller in the stream as it
-//!   was sent, a dropped connection as an [`ErrorKind::ResponseBody`](crate::ErrorKind) error,
-//!   and a stall as [`ErrorKind::IdleTimeout`](crate::ErrorKind).
-//! - The peek is bounded (64 KiB by default): a longer preamble without output ends it and the
-//!   stream is handed up committed, with no byte lost.
+//!   was sent, a dropped connection as an [`ErrorKind::ResponseBody`](crate::ErrorKind::ResponseBody)
+//!   error, a stall as [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout), and a clean
+//!   end before the terminal event as [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream).
+//! - The peek is bounded by the peek limit (64 KiB by default,
+//!   [`RetryLayer::peek_limit`](crate::RetryLayer::peek_limit)): a longer preamble without
+//!   output ends it and the stream is handed up committed ([`CommitReason::PeekLimit`]), with no
+//!   byte lost.
 //! - The caller receives the exact bytes the server sent, in the same frames.
 //!
-//! A response handed up by the gate carries a [`StreamCommitted`] extension saying why.
+//! A response handed up by the gate carries a [`StreamCommitted`] extension saying why
+//! ([`CommitReason`]). [`RetryLayer::sse_gate(false)`](crate::RetryLayer::sse_gate) turns the
+//! gate off. `cargo run --example streaming` shows a pre-output overload retried.
 //!
-//! Visible output is, by default: Anthropic `content_block_start` / `content_block_delta`;
-//! an OpenAI chat chunk whose `choices[].delta` has content, a refusal or tool calls; OpenAI
-//! Responses `response.output_text.delta`, `response.output_item.added` and the other
-//! `response.*.delta` events. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event)
-//! can say otherwise.
+//! # Protocols
+//!
+//! What [`default_sse_verdict`](crate::classify::default_sse_verdict) counts as visible
+//! output, and what the end check
+//! ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default)
+//! waits for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
+//! output. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event) can decide
+//! otherwise.
+//!
+//! | protocol ([`StreamProtocol`]) | visible output: the commit point | terminal event |
+//! |---|---|---|
+//! | Anthropic Messages | `content_block_start`, `content_block_delta` | `message_stop`, or `error` |
+//! | OpenAI Chat Completions | a chunk whose `choices[].delta` has content, a refusal, tool calls or a function call | a chunk with a `finish_reason`, `[DONE]`, or an error chunk (servers that never send `[DONE]` are fine) |
+//! | OpenAI Responses | `response.output_item.added`, `response.content_part.added`, any `response.*.delta` | `response.completed`, `response.failed`, `response.incomplete`, or `error` |
+//!
+//! A stream that ends cleanly without its protocol's terminal event was cut by some hop (a
+//! gateway, a load balancer's idle cut); the official SDKs would hand the partial text back as
+//! a success. After the commit point that is an [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream)
+//! body error, whose [`IncompleteStream`] source says how many bytes were delivered (all of
+//! them) and the last event; before it the cut is retried like a reset. Streams of other
+//! protocols pass through. The scan is incremental and copies nothing.
+//!
+//! # In-band errors
+//!
+//! An error event before the commit point (`event: error`, `response.failed`, or a data
+//! payload with an `error` member or `"type": "error"`) is judged like its HTTP twin, by the
+//! error type or code it names:
+//!
+//! | names | twin | verdict |
+//! |---|---|---|
+//! | `overloaded_error`, `server_is_overloaded` | 529 | retry, class `Overloaded` (it counts toward consecutive overloads) |
+//! | `rate_limit_error`, `rate_limit_exceeded` | 429 | retry, class `RateLimited` |
+//! | `api_error`, `server_error`, `internal_error` | 500 | retry, class `Server` |
+//! | `invalid_request_error` | 400 | no retry, class `Client` |
+//! | anything else | — | no retry, class `Other` |
+//!
+//! An error that is not retried, or that comes when no retry is left, is handed up as it came,
+//! committed with [`CommitReason::Error`].
+//!
+//! # Non-streaming bodies
+//!
+//! Opt-in, [`RetryLayer::buffer_responses(Some(cap))`](crate::RetryLayer::buffer_responses)
+//! reads non-streaming 2xx bodies whole inside the loop, so a reset mid-body or a short body
+//! (content-length mismatch) is retried as
+//! [`FailureClass::TruncatedEnvelope`](crate::FailureClass::TruncatedEnvelope) instead of
+//! failing in the caller's hands. Such JSON that stopped at the output limit
+//! (`stop_reason: "max_tokens"`, `finish_reason: "length"`) gets an [`OutputTruncated`]
+//! extension and is never re-sent; [`ContinuationLayer`](crate::ContinuationLayer) continues it
+//! append-only.
 
 mod sse;
 mod terminal;
 
-pub use self::sse::{ScanError, SseEvent, SseScanner};
+pub use self::sse::SseEvent;
+#[cfg(not(fuzzing))]
+pub(crate) use self::sse::{ScanError, SseScanner};
+// The fuzz targets drive the scanner directly (`cargo fuzz` builds with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub use self::sse::{ScanError, SseScanner};
 pub(crate) use self::terminal::StreamScan;
 pub use self::terminal::{IncompleteStream, StreamProtocol};
 
 use std::borrow::Cow;
 
 use serde::Deserialize;
-
-use crate::classify::{Classification, FailureClass};
-
-/// What one SSE event means to the gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SseVerdict {
-    /// The event shows output to the caller: the stream is committed from here on.
-    Output,
-    /// Set-up or keep-alive (`message_start`, `ping`, a role-only chunk): keep reading.
-    Preamble,
-    /// An in-band error, judged like the HTTP response it stands for.
-    Error(Classification),
-}
 
 /// Why a streamed response was handed up to the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,135 +144,6 @@ impl StreamCommitted {
 #[non_exhaustive]
 pub struct OutputTruncated;
 
-/// The default judgement of one SSE event, used by
-/// [`DefaultClassifier`](crate::DefaultClassifier).
-pub fn default_sse_verdict(event: &SseEvent<'_>) -> SseVerdict {
-    let name = event.event.as_deref();
-    match name {
-        Some("content_block_start" | "content_block_delta") => return SseVerdict::Output,
-        Some("error") => return SseVerdict::Error(error_twin(&event.data)),
-        Some(n) if is_responses_output(n) => return SseVerdict::Output,
-        Some("response.failed") => return SseVerdict::Error(error_twin(&event.data)),
-        Some(
-            "message_start" | "ping" | "content_block_stop" | "message_delta" | "message_stop",
-        ) => return SseVerdict::Preamble,
-        _ => {}
-    }
-    let data = event.data.trim();
-    if data.is_empty() || data == "[DONE]" || !data.starts_with('{') {
-        return SseVerdict::Preamble;
-    }
-    let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(data) else {
-        return SseVerdict::Preamble;
-    };
-    if chunk.error.is_some() {
-        return SseVerdict::Error(error_twin(data));
-    }
-    if let Some(kind) = chunk.kind.as_deref() {
-        if kind == "error" || kind == "response.failed" {
-            return SseVerdict::Error(error_twin(data));
-        }
-        if kind == "content_block_start"
-            || kind == "content_block_delta"
-            || is_responses_output(kind)
-        {
-            return SseVerdict::Output;
-        }
-    }
-    let shows = chunk.choices.iter().any(|c| {
-        let d = &c.delta;
-        d.content.as_deref().is_some_and(|s| !s.is_empty())
-            || d.refusal.as_deref().is_some_and(|s| !s.is_empty())
-            || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
-            || d.function_call.is_some()
-    });
-    if shows {
-        SseVerdict::Output
-    } else {
-        SseVerdict::Preamble
-    }
-}
-
-fn is_responses_output(name: &str) -> bool {
-    name == "response.output_item.added"
-        || name == "response.content_part.added"
-        || (name.starts_with("response.") && name.ends_with(".delta"))
-}
-
-#[derive(Deserialize)]
-struct Chunk<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(default)]
-    error: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    choices: Vec<Choice<'a>>,
-}
-
-#[derive(Deserialize, Default)]
-struct Choice<'a> {
-    #[serde(borrow, default)]
-    delta: Delta<'a>,
-}
-
-#[derive(Deserialize, Default)]
-struct Delta<'a> {
-    #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    refusal: Option<Cow<'a, str>>,
-    #[serde(default)]
-    tool_calls: Option<Vec<serde::de::IgnoredAny>>,
-    #[serde(default)]
-    function_call: Option<serde::de::IgnoredAny>,
-}
-
-/// Maps an in-band error payload to the classification of its HTTP twin.
-fn error_twin(data: &str) -> Classification {
-    #[derive(Deserialize)]
-    struct Outer<'a> {
-        #[serde(borrow, default)]
-        error: Option<Inner<'a>>,
-        #[serde(borrow, default)]
-        code: Option<Cow<'a, str>>,
-        #[serde(borrow, default)]
-        response: Option<Resp<'a>>,
-    }
-    #[derive(Deserialize)]
-    struct Resp<'a> {
-        #[serde(borrow, default)]
-        error: Option<Inner<'a>>,
-    }
-    #[derive(Deserialize)]
-    struct Inner<'a> {
-        #[serde(borrow, default, rename = "type")]
-        kind: Option<Cow<'a, str>>,
-        #[serde(borrow, default)]
-        code: Option<Cow<'a, str>>,
-    }
-    let mut names: Vec<String> = Vec::new();
-    if let Ok(o) = serde_json::from_str::<Outer<'_>>(data) {
-        let inners = o.error.into_iter().chain(o.response.and_then(|r| r.error));
-        for i in inners {
-            names.extend(i.kind.map(Cow::into_owned));
-            names.extend(i.code.map(Cow::into_owned));
-        }
-        names.extend(o.code.map(Cow::into_owned));
-    }
-    let has = |n: &str| names.iter().any(|x| x == n);
-    if has("overloaded_error") || has("server_is_overloaded") {
-        Classification::retry(FailureClass::Overloaded)
-    } else if has("rate_limit_error") || has("rate_limit_exceeded") {
-        Classification::retry(FailureClass::RateLimited)
-    } else if has("api_error") || has("server_error") || has("internal_error") {
-        Classification::retry(FailureClass::Server)
-    } else if has("invalid_request_error") {
-        Classification::fail(FailureClass::Client)
-    } else {
-        Classification::fail(FailureClass::Other)
-    }
-}
-
 /// Whether a buffered JSON response body stopped at the output limit.
 pub(crate) fn output_truncated(body: &[u8]) -> bool {
     #[derive(Deserialize)]
@@ -260,98 +172,6 @@ pub(crate) fn output_truncated(body: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn verdict(event: Option<&str>, data: &str) -> SseVerdict {
-        default_sse_verdict(&SseEvent {
-            event: event.map(Cow::Borrowed),
-            data: Cow::Borrowed(data),
-        })
-    }
-
-    #[test]
-    fn anthropic_events() {
-        assert_eq!(
-            verdict(Some("message_start"), r#"{"type":"message_start"}"#),
-            SseVerdict::Preamble
-        );
-        assert_eq!(
-            verdict(Some("ping"), r#"{"type": "ping"}"#),
-            SseVerdict::Preamble
-        );
-        assert_eq!(
-            verdict(Some("content_block_start"), "{}"),
-            SseVerdict::Output
-        );
-        assert_eq!(
-            verdict(Some("content_block_delta"), "{}"),
-            SseVerdict::Output
-        );
-        assert_eq!(
-            verdict(
-                Some("error"),
-                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
-            ),
-            SseVerdict::Error(Classification::retry(FailureClass::Overloaded))
-        );
-        assert_eq!(
-            verdict(
-                Some("error"),
-                r#"{"type":"error","error":{"type":"rate_limit_error"}}"#
-            ),
-            SseVerdict::Error(Classification::retry(FailureClass::RateLimited))
-        );
-        assert_eq!(
-            verdict(
-                Some("error"),
-                r#"{"type":"error","error":{"type":"api_error"}}"#
-            ),
-            SseVerdict::Error(Classification::retry(FailureClass::Server))
-        );
-        assert_eq!(
-            verdict(
-                Some("error"),
-                r#"{"type":"error","error":{"type":"invalid_request_error"}}"#
-            ),
-            SseVerdict::Error(Classification::fail(FailureClass::Client))
-        );
-    }
-
-    #[test]
-    fn openai_chat_chunks() {
-        let role = r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
-        assert_eq!(verdict(None, role), SseVerdict::Preamble);
-        let text = r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
-        assert_eq!(verdict(None, text), SseVerdict::Output);
-        let tool =
-            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1"}]}}]}"#;
-        assert_eq!(verdict(None, tool), SseVerdict::Output);
-        assert_eq!(verdict(None, "[DONE]"), SseVerdict::Preamble);
-        let err = r#"{"error":{"message":"overloaded","type":"server_error","code":null}}"#;
-        assert_eq!(
-            verdict(None, err),
-            SseVerdict::Error(Classification::retry(FailureClass::Server))
-        );
-    }
-
-    #[test]
-    fn openai_responses_events() {
-        assert_eq!(
-            verdict(Some("response.created"), "{}"),
-            SseVerdict::Preamble
-        );
-        assert_eq!(
-            verdict(Some("response.output_text.delta"), "{}"),
-            SseVerdict::Output
-        );
-        assert_eq!(
-            verdict(Some("response.output_item.added"), "{}"),
-            SseVerdict::Output
-        );
-        assert_eq!(
-            verdict(None, r#"{"type":"response.output_text.delta","delta":"x"}"#),
-            SseVerdict::Output
-        );
-    }
 
     #[test]
     fn output_limit_marker() {

@@ -33,6 +33,7 @@ impl SseEvent<'_> {
 /// returned parsed. The bytes of finished events are dropped; the event still in progress may
 /// hold at most `limit` bytes: a longer event makes `push` report [`ScanError::TooLong`].
 #[derive(Debug, Clone)]
+#[cfg_attr(not(fuzzing), allow(unreachable_pub))]
 pub struct SseScanner {
     /// `pending[start..]` is the unfinished event; what comes before it are finished events
     /// not dropped yet (see [`SseScanner::compact`]).
@@ -63,11 +64,13 @@ enum Scan {
 
 /// The scanner gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(fuzzing), allow(unreachable_pub))]
 pub enum ScanError {
     /// One event grew past the scanner's limit.
     TooLong,
 }
 
+#[cfg_attr(not(fuzzing), allow(unreachable_pub))]
 impl SseScanner {
     /// A scanner holding at most `limit` bytes of one unfinished event.
     pub fn new(limit: usize) -> Self {

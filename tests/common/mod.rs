@@ -121,7 +121,7 @@ pub fn exact_policy() -> tower_llm_retry::RetryPolicy {
 }
 
 /// The bytes of a sequence of SSE events, as the server writes them.
-pub fn concat(events: &[tower_llm_retry::mock::SseEvent]) -> Bytes {
+pub fn concat(events: &[tower_llm_retry::mock::SseFrame]) -> Bytes {
     let mut out = bytes::BytesMut::new();
     for e in events {
         out.extend_from_slice(&e.bytes());

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tower_llm_retry::mock::{MockServer, Script, SseEvent};
+use tower_llm_retry::mock::{MockServer, Script, SseFrame};
 use tower_llm_retry_proxy::{Config, Kind, Proxy, Upstream};
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -36,7 +36,7 @@ pub fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
 }
 
-pub fn concat(events: &[SseEvent]) -> Bytes {
+pub fn concat(events: &[SseFrame]) -> Bytes {
     let mut out = Vec::new();
     for e in events {
         out.extend_from_slice(&e.bytes());

@@ -6,7 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, Version};
 use http_body_util::{BodyExt, Full};
-use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script, SseFrame};
 
 use crate::common::*;
 
@@ -135,7 +135,7 @@ async fn every_route_is_forwarded_byte_for_byte() {
 
 #[tokio::test(start_paused = true)]
 async fn sse_is_relayed_frame_by_frame_as_it_comes() {
-    let events: Vec<SseEvent> = sse::anthropic_message(&["one ", "two ", "three"])
+    let events: Vec<SseFrame> = sse::anthropic_message(&["one ", "two ", "three"])
         .into_iter()
         .enumerate()
         .map(|(i, e)| {

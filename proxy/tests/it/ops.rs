@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use tower_llm_retry::mock::{sse, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, Reply, Script, SseFrame};
 
 use crate::common::*;
 
@@ -77,7 +77,7 @@ async fn over_the_concurrency_cap_is_a_503_at_once_never_a_queue() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_drains_a_stream_in_flight() {
-    let events: Vec<SseEvent> = sse::anthropic_message(&["a", "b", "c", "d"])
+    let events: Vec<SseFrame> = sse::anthropic_message(&["a", "b", "c", "d"])
         .into_iter()
         .map(|e| e.after(Duration::from_secs(1)))
         .collect();

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
-use tower_llm_retry::mock::{sse, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, Reply, Script, SseFrame};
 
 use crate::common::*;
 
@@ -78,7 +78,7 @@ async fn overloaded_three_times_falls_back_to_the_next_model() {
 async fn an_in_band_error_before_output_is_retried_unseen() {
     let first = vec![
         sse::anthropic_message(&[])[0].clone(),
-        SseEvent::new("ping", "{\"type\":\"ping\"}"),
+        SseFrame::new("ping", "{\"type\":\"ping\"}"),
         sse::anthropic_error("overloaded_error"),
     ];
     let good = sse::anthropic_message(&["Hello", " again"]);

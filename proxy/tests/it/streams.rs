@@ -5,17 +5,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use tower_llm_retry::mock::{sse, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, Reply, Script, SseFrame};
 
 use crate::common::*;
 
-fn anthropic_partial() -> Vec<SseEvent> {
+fn anthropic_partial() -> Vec<SseFrame> {
     let mut e = sse::anthropic_message(&["Partial ", "answer"]);
     e.truncate(4); // message_start, content_block_start, two deltas
     e
 }
 
-fn chat_partial() -> Vec<SseEvent> {
+fn chat_partial() -> Vec<SseFrame> {
     let mut e = sse::openai_chat(&["Partial ", "answer"]);
     e.truncate(3); // role chunk and two content chunks
     e
@@ -133,7 +133,7 @@ async fn a_stall_after_output_ends_at_the_idle_timeout_with_the_error_event() {
 #[tokio::test(start_paused = true)]
 async fn a_cut_mid_event_is_closed_before_the_error_event() {
     let mut events = anthropic_partial();
-    events.push(SseEvent::raw(Bytes::from_static(
+    events.push(SseFrame::raw(Bytes::from_static(
         b"event: content_block_delta\ndata: {\"type\":\"content_blo",
     )));
     let h = start(Script::always(Reply::sse_then_reset(events.clone()))).await;

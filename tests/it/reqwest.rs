@@ -1,12 +1,10 @@
 //! The reqwest adapter and the reqwest-middleware integration, against the mock over
 //! 127.0.0.1 under paused time.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::{Bytes, BytesMut};
-use common::*;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tower::{ServiceBuilder, ServiceExt};

@@ -2,18 +2,16 @@
 //! the cooldown gate (Retry-After and rate-limit headers), its spread, ceiling and
 //! cancellation, and the adaptive pacing.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::{BudgetConfig, GateConfig, PacingConfig};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{Jitter, Random};
 use tower_llm_retry::{
@@ -52,7 +50,7 @@ async fn hard_outage_through_many_clones_retries_at_most_the_budget() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter().max_retries(3))
-                .budget(Some(budget)),
+                .fleet(Fleet::builder().budget(Some(budget)).build()),
         )
         .service(http_client());
     let mut tasks = tokio::task::JoinSet::new();
@@ -84,9 +82,15 @@ async fn budget_refusing_a_transport_retry_is_budget_exhausted() {
         .await
         .unwrap();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().budget(Some(
-            BudgetConfig::new(Duration::from_secs(1), 0, 0.0).unwrap(),
-        )))
+        .layer(
+            RetryLayer::new().fleet(
+                Fleet::builder()
+                    .budget(Some(
+                        BudgetConfig::new(Duration::from_secs(1), 0, 0.0).unwrap(),
+                    ))
+                    .build(),
+            ),
+        )
         .service(http_client());
     let err = svc
         .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
@@ -114,7 +118,7 @@ async fn normal_noise_is_never_denied() {
     let server = MockServer::start(script).await.unwrap();
     let budget = BudgetConfig::new(Duration::from_secs(10), 0, 0.1).unwrap();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().budget(Some(budget)))
+        .layer(RetryLayer::new().fleet(Fleet::builder().budget(Some(budget)).build()))
         .service(http_client());
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..10 {
@@ -154,7 +158,7 @@ async fn budget_off_retries_every_time() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter().max_retries(3))
-                .budget(None),
+                .fleet(Fleet::builder().budget(None).build()),
         )
         .service(http_client());
     let mut tasks = tokio::task::JoinSet::new();
@@ -185,7 +189,7 @@ async fn one_429_holds_100_first_attempts_and_releases_them_spread() {
             RetryLayer::new()
                 .policy(no_jitter().random(stepping_random()))
                 .observer(planned.clone())
-                .cooldown_gate(Some(gate)),
+                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
         )
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -239,7 +243,11 @@ async fn a_529_with_retry_after_closes_the_gate_but_a_503_does_not() {
                 RetryLayer::new()
                     .policy(no_jitter().random(Random::from_fn(|| 0.0)))
                     .observer(planned.clone())
-                    .cooldown_gate(Some(GateConfig::new())),
+                    .fleet(
+                        Fleet::builder()
+                            .cooldown_gate(Some(GateConfig::new()))
+                            .build(),
+                    ),
             )
             .service(http_client());
         let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -271,7 +279,11 @@ async fn cancellation_while_waiting_at_the_gate_ends_at_once() {
             RetryLayer::new()
                 .observer(planned.clone())
                 .cancellation(token.clone())
-                .cooldown_gate(Some(GateConfig::new())),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new()))
+                        .build(),
+                ),
         )
         .service(http_client());
     let (first, _) = close_with(&server, &svc, &planned).await;
@@ -304,7 +316,11 @@ async fn dropping_a_request_waiting_at_the_gate_sends_nothing() {
         .layer(
             RetryLayer::new()
                 .policy(RetryPolicy::default().max_retries(0))
-                .cooldown_gate(Some(GateConfig::new())),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new()))
+                        .build(),
+                ),
         )
         .service(http_client());
     let res = svc
@@ -334,7 +350,11 @@ async fn a_waiter_is_held_no_longer_than_its_policy_ceiling() {
             RetryLayer::new()
                 .policy(no_jitter().random(Random::from_fn(|| 0.0)))
                 .observer(planned.clone())
-                .cooldown_gate(Some(GateConfig::new())),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new()))
+                        .build(),
+                ),
         )
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -362,7 +382,11 @@ async fn a_retry_after_above_the_ceiling_closes_the_gate_only_up_to_it() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter().random(Random::from_fn(|| 0.0)))
-                .cooldown_gate(Some(GateConfig::new())),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new()))
+                        .build(),
+                ),
         )
         .service(http_client());
     // Above the 60 s ceiling the default policy gives up and returns the 429 …
@@ -426,7 +450,7 @@ async fn rate_limit_headers_close_the_gate_before_any_429() {
             .layer(
                 RetryLayer::new()
                     .policy(RetryPolicy::default().random(Random::from_fn(|| 0.0)))
-                    .cooldown_gate(Some(gate)),
+                    .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
             )
             .service(http_client());
         for _ in 0..2 {
@@ -457,7 +481,13 @@ async fn rate_limit_headers_can_be_ignored() {
     .await
     .unwrap();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().cooldown_gate(Some(GateConfig::new().rate_limit_headers(false))))
+        .layer(
+            RetryLayer::new().fleet(
+                Fleet::builder()
+                    .cooldown_gate(Some(GateConfig::new().rate_limit_headers(false)))
+                    .build(),
+            ),
+        )
         .service(http_client());
     let start = Instant::now();
     for _ in 0..2 {
@@ -478,11 +508,19 @@ async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
     let layer = RetryLayer::new()
         .policy(no_jitter().random(Random::from_fn(|| 0.0)))
         .observer(planned.clone())
-        .cooldown_gate(Some(GateConfig::new()));
+        .fleet(
+            Fleet::builder()
+                .cooldown_gate(Some(GateConfig::new()))
+                .build(),
+        );
     let a = layer.clone().layer(http_client());
     let b = layer.layer(http_client());
     let separate = RetryLayer::new()
-        .cooldown_gate(Some(GateConfig::new()))
+        .fleet(
+            Fleet::builder()
+                .cooldown_gate(Some(GateConfig::new()))
+                .build(),
+        )
         .layer(http_client());
     let (first, origin) = close_with(&server, &a, &planned).await;
 
@@ -536,7 +574,11 @@ async fn an_unbounded_ceiling_still_waits_at_the_gate() {
             RetryLayer::new()
                 .policy(no_jitter().random(Random::from_fn(|| 0.0)))
                 .observer(planned.clone())
-                .cooldown_gate(Some(GateConfig::new())),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new()))
+                        .build(),
+                ),
         )
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -570,7 +612,7 @@ async fn pacing_spaces_attempts_by_the_rate_in_arrival_order() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(10.0, 10.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(10.0, 10.0))).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -603,7 +645,7 @@ async fn a_429_slows_the_pacing_for_everyone_in_line() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(10.0, 10.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(10.0, 10.0))).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -641,7 +683,7 @@ async fn leaving_the_pacing_line_sends_nothing_and_frees_the_turn() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(10.0, 10.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(10.0, 10.0))).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -688,7 +730,7 @@ async fn a_short_retry_after_below_min_close_leaves_the_gate_open() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .cooldown_gate(Some(gate)),
+                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -721,10 +763,12 @@ async fn requests_held_at_the_gate_leave_it_at_the_pacing_rate_not_at_once() {
     let gate = GateConfig::new().spread(0.0, Duration::ZERO).unwrap();
     let svc = ServiceBuilder::new()
         .layer(
-            RetryLayer::new()
-                .policy(no_jitter())
-                .cooldown_gate(Some(gate))
-                .pacing(Some(paced(10.0, 10.0))),
+            RetryLayer::new().policy(no_jitter()).fleet(
+                Fleet::builder()
+                    .cooldown_gate(Some(gate))
+                    .pacing(Some(paced(10.0, 10.0)))
+                    .build(),
+            ),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -767,7 +811,7 @@ async fn cancellation_while_waiting_in_the_pacing_line_ends_at_once() {
             RetryLayer::new()
                 .policy(no_jitter())
                 .cancellation(token.clone())
-                .pacing(Some(paced(1.0, 1.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(1.0, 1.0))).build()),
         )
         .service(http_client());
     let start = Instant::now();
@@ -813,7 +857,7 @@ async fn a_stated_request_limit_paces_the_fleet_from_the_first_answer() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(50.0, 50.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(50.0, 50.0))).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -849,7 +893,7 @@ async fn a_pacing_line_whose_head_keeps_leaving_still_serves_everyone_left() {
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(20.0, 20.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(20.0, 20.0))).build()),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -916,7 +960,7 @@ async fn a_stated_limit_of_one_a_minute_refuses_at_once_what_would_wait_past_the
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(PacingConfig::new())),
+                .fleet(Fleet::builder().pacing(Some(PacingConfig::new())).build()),
         )
         .service(http_client());
     let url = server.url("/v1/messages");
@@ -997,7 +1041,7 @@ async fn a_retry_whose_pacing_turn_is_past_the_ceiling_gives_up_with_its_trail()
             RetryLayer::new()
                 .policy(no_jitter().retry_after_max(Duration::from_secs(30)))
                 .observer(seen.clone())
-                .pacing(Some(PacingConfig::new())),
+                .fleet(Fleet::builder().pacing(Some(PacingConfig::new())).build()),
         )
         .service(http_client());
     let url = server.url("/v1/messages");
@@ -1030,7 +1074,7 @@ async fn a_retry_whose_pacing_turn_is_past_the_ceiling_gives_up_with_its_trail()
         seen.1.seen(),
         [
             Seen::Retry {
-                attempt: 0,
+                attempt: 1,
                 class: tower_llm_retry::FailureClass::Server,
                 status: Some(StatusCode::SERVICE_UNAVAILABLE),
                 retry_after: None,
@@ -1058,9 +1102,11 @@ async fn a_request_waiting_behind_others_gives_up_at_its_own_bound() {
     .unwrap();
     let svc = ServiceBuilder::new()
         .layer(
-            RetryLayer::new()
-                .policy(no_jitter())
-                .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap())),
+            RetryLayer::new().policy(no_jitter()).fleet(
+                Fleet::builder()
+                    .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap()))
+                    .build(),
+            ),
         )
         .service(http_client());
     let origin = Instant::now();
@@ -1116,7 +1162,7 @@ async fn a_head_of_the_pacing_line_that_is_not_polled_does_not_hold_up_the_line(
         .layer(
             RetryLayer::new()
                 .policy(no_jitter())
-                .pacing(Some(paced(4.0, 4.0))),
+                .fleet(Fleet::builder().pacing(Some(paced(4.0, 4.0))).build()),
         )
         .service(http_client());
     let url = server.url("/v1/messages");
@@ -1153,4 +1199,255 @@ async fn a_head_of_the_pacing_line_that_is_not_polled_does_not_hold_up_the_line(
         arrivals(&server, origin),
         [0, 350, 500, 750].map(Duration::from_millis)
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// One fleet handle shared by stacks built separately.
+
+/// A reqwest-middleware client whose retry loop uses `layer`.
+fn reqwest_stack(layer: RetryLayer) -> reqwest_middleware::ClientWithMiddleware {
+    reqwest_middleware::ClientBuilder::new(reqwest_builder().build().unwrap())
+        .with(tower_llm_retry::reqwest_middleware::RetryMiddleware::new(
+            layer,
+        ))
+        .build()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hyper_stack_and_a_reqwest_stack_sharing_one_fleet_share_the_gate() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .build();
+    let planned = RetryPlanned::default();
+    let hyper_stack = RetryLayer::new()
+        .policy(no_jitter())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let reqwest_client = reqwest_stack(RetryLayer::new().policy(no_jitter()).fleet(fleet.clone()));
+    // An unrelated stack, with a fleet of its own, is not held.
+    let other = RetryLayer::new()
+        .fleet(
+            Fleet::builder()
+                .cooldown_gate(Some(GateConfig::new()))
+                .build(),
+        )
+        .layer(http_client());
+
+    // The hyper stack's request gets the 429 with Retry-After 8 s.
+    let (first, origin) = close_with(&server, &hyper_stack, &planned).await;
+    assert_eq!(
+        fleet.gate_closed_until(),
+        Some(origin + Duration::from_secs(8))
+    );
+
+    other
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert!(Instant::now() - origin < Duration::from_millis(1));
+
+    // The reqwest stack's first attempt is held until the gate reopens, to the millisecond.
+    let res = reqwest_client
+        .post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(BODY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.extensions().get::<RetryTrail>().is_none());
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+    // The server saw: the 429 at 0, the unrelated request at 0, then the retry and the reqwest
+    // stack's first attempt at 8 s.
+    let got = arrivals(&server, origin);
+    assert_eq!(got.len(), 4);
+    assert!(got[1] < Duration::from_millis(1), "{got:?}");
+    for t in &got[2..] {
+        assert!(
+            *t >= Duration::from_secs(8) && *t < Duration::from_millis(8_001),
+            "{got:?}"
+        );
+    }
+    assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.gate_closings(), Some(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_stacks_sharing_one_fleet_share_the_budget() {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
+    let fleet = Fleet::builder().budget(Some(budget)).build();
+    // 3 retries without jitter take 3.5 s: every retry falls in one 10 s window.
+    let hyper_stack = RetryLayer::new()
+        .policy(no_jitter().max_retries(3))
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let reqwest_client = reqwest_stack(
+        RetryLayer::new()
+            .policy(no_jitter().max_retries(3))
+            .fleet(fleet.clone()),
+    );
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let svc = hyper_stack.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tasks.spawn(async move {
+            let res = svc.oneshot(req).await.unwrap();
+            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+            res.extensions().get::<RetryTrail>().unwrap().clone()
+        });
+        let client = reqwest_client.clone();
+        let url = server.url("/v1/messages");
+        tasks.spawn(async move {
+            let res = client.post(url).body(BODY).send().await.unwrap();
+            assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+            res.extensions().get::<RetryTrail>().unwrap().clone()
+        });
+    }
+    let (mut retries, mut denied) = (0, 0);
+    while let Some(trail) = tasks.join_next().await {
+        let trail = trail.unwrap();
+        retries += trail.retries();
+        denied += u64::from(trail.gave_up() == Some(GiveUpReason::Budget));
+    }
+    // One budget for both: 1 retry a second for 10 s, plus one per 10 of the 100 first
+    // attempts. Two budgets would have allowed 2 × (10 + 5) = 30.
+    assert_eq!(budget.max_retries(100), 20);
+    assert_eq!(retries, 20);
+    assert_eq!(server.request_count(), 120);
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!(stats.first_attempts, 100);
+    assert_eq!(stats.retries, 20);
+    // Each request the budget refused gave up there; at least the 80 that got no retry.
+    assert_eq!(stats.refused, denied);
+    assert!(denied >= 80, "{denied}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_layer_cloned_and_reconfigured_keeps_sharing_its_fleet() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("6")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let base = RetryLayer::new().fleet(
+        Fleet::builder()
+            .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+            .build(),
+    );
+    // Every setter but `fleet` leaves the fleet as it is.
+    let derived = base
+        .clone()
+        .policy(no_jitter().max_retries(2))
+        .observer(planned.clone())
+        .body_limit(1 << 20)
+        .peek_limit(1 << 10)
+        .sse_gate(false)
+        .buffer_responses(Some(1 << 16));
+    assert!(derived.get_fleet().ptr_eq(base.get_fleet()));
+    // So does a layer with the fleet of its own it built.
+    let own = RetryLayer::new();
+    assert!(own
+        .clone()
+        .policy(no_jitter())
+        .get_fleet()
+        .ptr_eq(own.get_fleet()));
+    assert!(!own.get_fleet().ptr_eq(base.get_fleet()));
+
+    let derived = derived.layer(http_client());
+    let base = base.layer(http_client());
+    let (first, origin) = close_with(&server, &derived, &planned).await;
+    base.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(Instant::now() - origin, Duration::from_secs(6));
+    assert_eq!(first.await.unwrap(), Ok(StatusCode::OK));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
+    // A 429 with Retry-After 0 (the gate stays open, its retry does not sleep) then a 429 with
+    // Retry-After 5 s.
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::rate_limited("0"))
+            .then(Reply::rate_limited("5")),
+    )
+    .await
+    .unwrap();
+    let fleet = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new().min_close(Duration::from_secs(1))))
+        .pacing(Some(paced(10.0, 10.0)))
+        .build();
+    assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.gate_closings(), Some(0));
+    assert_eq!(fleet.pace(), Some(10.0));
+    assert_eq!(fleet.pacing_refused(), Some(0));
+    assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
+    assert_eq!(
+        fleet.budget_stats(),
+        Some(tower_llm_retry::BudgetStats::default())
+    );
+    assert_eq!(fleet.pacing_config(), Some(paced(10.0, 10.0)));
+    assert!(fleet.gate_config().is_some());
+
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(no_jitter())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let notified = planned.0.notified();
+    let task = tokio::spawn(
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+    );
+    notified.await;
+    // The first 429 halved the pace (its decrease is 0.5); its Retry-After 0 is below
+    // `min_close`: the gate is still open.
+    assert_eq!(fleet.pace(), Some(5.0));
+    assert_eq!(fleet.gate_closed_until(), None);
+    let notified = planned.0.notified();
+    notified.await;
+    // The retry got the 429 with Retry-After 5 s: closed until 5 s after it reached the server.
+    let second = server.requests()[1].received_at;
+    assert_eq!(
+        fleet.gate_closed_until(),
+        Some(second + Duration::from_secs(5))
+    );
+    assert_eq!(fleet.gate_closings(), Some(1));
+    // The retry was sent after the first decrease: its refusal halves the pace again.
+    assert_eq!(fleet.pace(), Some(2.5));
+    let res = task.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(fleet.gate_closed_until(), None);
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!(
+        (stats.first_attempts, stats.retries, stats.refused),
+        (1, 2, 0)
+    );
+}
+
+#[test]
+fn a_fleet_built_by_default_has_the_budget_on_and_the_gate_and_pacing_off() {
+    for fleet in [Fleet::default(), Fleet::builder().build()] {
+        assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
+        assert!(fleet.gate_config().is_none());
+        assert_eq!(fleet.gate_closed_until(), None);
+        assert_eq!(fleet.gate_closings(), None);
+        assert_eq!(fleet.pace(), None);
+        assert_eq!(fleet.pacing_refused(), None);
+    }
+    let off = Fleet::builder().budget(None).build();
+    assert_eq!(off.budget_config(), None);
+    assert_eq!(off.budget_stats(), None);
+    let fleet = Fleet::default();
+    assert!(fleet.clone().ptr_eq(&fleet));
+    assert!(!Fleet::default().ptr_eq(&fleet));
+    assert!(format!("{fleet:?}").starts_with("Fleet {"));
 }

@@ -3,15 +3,13 @@
 //! request ends, no sleep exceeds the documented ceilings, and nothing reaches the server after
 //! the request's deadline. Paused time, so a wait of "forever" costs nothing.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use proptest::prelude::*;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::{GateConfig, PacingConfig};
+use tower_llm_retry::fleet::{Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{AboveCeiling, Jitter, Random};
 use tower_llm_retry::{
@@ -209,13 +207,18 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
                 RetryLayer::new()
                     .policy(policy)
                     .observer(delays.clone())
-                    .cooldown_gate(Some(gate))
-                    .pacing(pacing)
-                    // tower's TpsBudget, on its first use after a gap, clears its slots one
-                    // window at a time: after a virtual sleep of "forever" (~30 years) that is
-                    // ~10⁹ steps. Real gaps cost microseconds; the budget's own durations are
-                    // validated to 1–60 s, so it has no extreme setter to test here.
-                    .budget(None),
+                    .fleet(
+                        Fleet::builder()
+                            .cooldown_gate(Some(gate))
+                            .pacing(pacing)
+                            // tower's TpsBudget, on its first use after a gap, clears its slots
+                            // one window at a time: after a virtual sleep of "forever" (~30
+                            // years) that is ~10⁹ steps. Real gaps cost microseconds; the
+                            // budget's own durations are validated to 1–60 s, so it has no
+                            // extreme setter to test here.
+                            .budget(None)
+                            .build(),
+                    ),
             )
             .layer(
                 ModelFallbackLayer::new(["claude-haiku-4-5"])
@@ -290,7 +293,7 @@ async fn an_idle_timeout_of_duration_max_does_not_overflow() {
         .layer(
             RetryLayer::new()
                 .policy(RetryPolicy::default().idle_timeout(Some(Duration::MAX)))
-                .budget(None),
+                .fleet(Fleet::builder().budget(None).build()),
         )
         .service(client());
     ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
@@ -314,7 +317,7 @@ async fn jitter_on_a_backoff_of_duration_max_does_not_overflow() {
                         .random(Random::from_fn(|| 0.5)),
                 )
                 .observer(delays.clone())
-                .budget(None),
+                .fleet(Fleet::builder().budget(None).build()),
         )
         .service(client());
     ends(svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))).await;
@@ -359,8 +362,12 @@ async fn a_huge_retry_after_closes_the_gate_for_its_longest_hold() {
                         .random(Random::from_fn(|| 0.0)),
                 )
                 .observer(delays.clone())
-                .cooldown_gate(Some(GateConfig::new().spread(10.0, Duration::MAX).unwrap()))
-                .budget(None),
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(GateConfig::new().spread(10.0, Duration::MAX).unwrap()))
+                        .budget(None)
+                        .build(),
+                ),
         )
         .service(client());
     let first = tokio::spawn(ends(

@@ -1,11 +1,9 @@
 //! Exact sleeps under paused time: the backoff sequence, jitter bands and every form of
 //! Retry-After, measured both from the observer and from the server's arrival times.
 
-mod common;
-
 use std::time::{Duration, SystemTime};
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script};

@@ -3,8 +3,6 @@
 //! once, annotations are learned from `tools/list` (JSON and SSE), and the session id goes
 //! with every attempt.
 
-mod common;
-
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,8 +10,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode, Uri};
 use http_body_util::Full;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -22,7 +20,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_llm_retry::mcp::ToolAnnotations;
-use tower_llm_retry::mock::{MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::{
     BoxError, Error, GiveUpReason, McpGate, McpGateLayer, ReplayBody, Retry, RetryLayer, RetryTrail,
 };
@@ -239,14 +237,14 @@ async fn annotations_are_learned_from_a_json_tools_list_response() {
 #[tokio::test(start_paused = true)]
 async fn annotations_are_learned_from_an_sse_tools_list_response() {
     learns_from(Reply::sse(vec![
-        SseEvent::raw(": keep-alive\n\n"),
-        SseEvent::new(
+        SseFrame::raw(": keep-alive\n\n"),
+        SseFrame::new(
             "message",
             &json!({"jsonrpc": "2.0", "method": "notifications/message",
                     "params": {"level": "info", "data": "listing"}})
             .to_string(),
         ),
-        SseEvent::new("message", &tools_list_result().to_string()),
+        SseFrame::new("message", &tools_list_result().to_string()),
     ]))
     .await;
 }

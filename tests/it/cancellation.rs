@@ -1,11 +1,9 @@
 //! Dropping the future or firing the shutdown token ends a retrying request at once, and no
 //! further request reaches the server.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{ServiceBuilder, ServiceExt};

@@ -5,12 +5,12 @@
 
 #![cfg(feature = "mock")]
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::{
+    anthropic_request, concat, exact_policy, reqwest_builder, sha256, Recorder, BODY,
+};
 use bytes::Bytes;
-use common::{anthropic_request, concat, exact_policy, reqwest_builder, sha256, Recorder, BODY};
 use http::{StatusCode, Version};
 use http_body_util::BodyExt;
 use tokio::time::Instant;

@@ -1,10 +1,8 @@
 //! The classification table of DESIGN section 2, row by row, against a real HTTP server.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script};

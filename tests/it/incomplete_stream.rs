@@ -3,24 +3,22 @@
 //! `ErrorKind::IncompleteStream`; before it, the cut is retried like a reset. For Anthropic
 //! Messages, OpenAI Chat Completions and OpenAI Responses, over real HTTP on 127.0.0.1.
 
-mod common;
-
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::mock::{MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::stream::StreamProtocol;
 use tower_llm_retry::{ErrorKind, RetryLayer, RetryTrail};
 
 struct Case {
     protocol: StreamProtocol,
     /// Events up to and including some output.
-    started: Vec<SseEvent>,
+    started: Vec<SseFrame>,
     /// The events that end the stream properly.
-    ending: Vec<SseEvent>,
+    ending: Vec<SseFrame>,
     /// The preamble alone: no output yet.
-    preamble: Vec<SseEvent>,
+    preamble: Vec<SseFrame>,
     last_event: &'static str,
 }
 
@@ -29,49 +27,49 @@ fn cases() -> Vec<Case> {
         Case {
             protocol: StreamProtocol::AnthropicMessages,
             started: vec![
-                SseEvent::new("message_start", r#"{"type":"message_start","message":{}}"#),
-                SseEvent::new(
+                SseFrame::new("message_start", r#"{"type":"message_start","message":{}}"#),
+                SseFrame::new(
                     "content_block_start",
                     r#"{"type":"content_block_start","index":0}"#,
                 ),
-                SseEvent::new(
+                SseFrame::new(
                     "content_block_delta",
                     r#"{"type":"content_block_delta","delta":{"text":"part"}}"#,
                 ),
-                SseEvent::new(
+                SseFrame::new(
                     "content_block_delta",
                     r#"{"type":"content_block_delta","delta":{"text":"ial"}}"#,
                 ),
             ],
             ending: vec![
-                SseEvent::new("content_block_stop", r#"{"type":"content_block_stop"}"#),
-                SseEvent::new("message_delta", r#"{"type":"message_delta"}"#),
-                SseEvent::new("message_stop", r#"{"type":"message_stop"}"#),
+                SseFrame::new("content_block_stop", r#"{"type":"content_block_stop"}"#),
+                SseFrame::new("message_delta", r#"{"type":"message_delta"}"#),
+                SseFrame::new("message_stop", r#"{"type":"message_stop"}"#),
             ],
             preamble: vec![
-                SseEvent::new("message_start", r#"{"type":"message_start","message":{}}"#),
-                SseEvent::new("ping", r#"{"type":"ping"}"#),
+                SseFrame::new("message_start", r#"{"type":"message_start","message":{}}"#),
+                SseFrame::new("ping", r#"{"type":"ping"}"#),
             ],
             last_event: "content_block_delta",
         },
         Case {
             protocol: StreamProtocol::OpenAiChat,
             started: vec![
-                SseEvent::data(
+                SseFrame::data(
                     r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
                 ),
-                SseEvent::data(
+                SseFrame::data(
                     r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"part"},"finish_reason":null}]}"#,
                 ),
-                SseEvent::data(
+                SseFrame::data(
                     r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"ial"},"finish_reason":null}]}"#,
                 ),
             ],
             // A finish_reason and no `[DONE]`: some compatible servers never send it.
-            ending: vec![SseEvent::data(
+            ending: vec![SseFrame::data(
                 r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
             )],
-            preamble: vec![SseEvent::data(
+            preamble: vec![SseFrame::data(
                 r#"{"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
             )],
             last_event: "chat.completion.chunk",
@@ -79,23 +77,23 @@ fn cases() -> Vec<Case> {
         Case {
             protocol: StreamProtocol::OpenAiResponses,
             started: vec![
-                SseEvent::new("response.created", r#"{"type":"response.created"}"#),
-                SseEvent::new(
+                SseFrame::new("response.created", r#"{"type":"response.created"}"#),
+                SseFrame::new(
                     "response.output_text.delta",
                     r#"{"type":"response.output_text.delta","delta":"part"}"#,
                 ),
-                SseEvent::new(
+                SseFrame::new(
                     "response.output_text.delta",
                     r#"{"type":"response.output_text.delta","delta":"ial"}"#,
                 ),
             ],
-            ending: vec![SseEvent::new(
+            ending: vec![SseFrame::new(
                 "response.completed",
                 r#"{"type":"response.completed"}"#,
             )],
             preamble: vec![
-                SseEvent::new("response.created", r#"{"type":"response.created"}"#),
-                SseEvent::new("response.in_progress", r#"{"type":"response.in_progress"}"#),
+                SseFrame::new("response.created", r#"{"type":"response.created"}"#),
+                SseFrame::new("response.in_progress", r#"{"type":"response.in_progress"}"#),
             ],
             last_event: "response.*",
         },
@@ -154,7 +152,7 @@ async fn a_stream_that_ends_properly_is_no_error() {
 #[tokio::test(start_paused = true)]
 async fn openai_done_alone_also_ends_a_chat_stream() {
     let mut events = cases().swap_remove(1).started;
-    events.push(SseEvent::data("[DONE]"));
+    events.push(SseFrame::data("[DONE]"));
     let server = MockServer::start(Script::new().then(Reply::sse(events.clone())))
         .await
         .unwrap();
@@ -218,7 +216,7 @@ async fn the_check_can_be_switched_off_and_unknown_streams_pass() {
     assert_eq!(bytes, concat(&cut));
 
     // A stream of no known protocol ends when its body ends.
-    let other = vec![SseEvent::new("tick", "1"), SseEvent::data("hello")];
+    let other = vec![SseFrame::new("tick", "1"), SseFrame::data("hello")];
     let server = MockServer::start(Script::new().then(Reply::sse(other.clone())))
         .await
         .unwrap();

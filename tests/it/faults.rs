@@ -2,13 +2,11 @@
 //! for what it would refuse to. Each case asserts the outcome, how many requests the server
 //! saw and how much virtual time passed.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;

@@ -3,19 +3,17 @@
 //! attempt starts after it; a request that cannot start in time ends with
 //! `ErrorKind::DeadlineExceeded` and its trail. Real HTTP on 127.0.0.1, paused time.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::{Request, StatusCode};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::{GateConfig, PacingConfig};
+use tower_llm_retry::fleet::{Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{Jitter, Random};
 use tower_llm_retry::{
@@ -39,7 +37,7 @@ fn gated(gate: GateConfig, planned: &RetryPlanned) -> tower_llm_retry::Retry<Htt
             RetryLayer::new()
                 .policy(exact())
                 .observer(planned.clone())
-                .cooldown_gate(Some(gate)),
+                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
         )
         .service(http_client())
 }
@@ -104,7 +102,7 @@ async fn the_gate_spread_never_carries_a_request_past_its_deadline() {
             RetryLayer::new()
                 .policy(exact().random(Random::from_fn(|| 0.99)))
                 .observer(planned.clone())
-                .cooldown_gate(Some(gate)),
+                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
         )
         .service(http_client());
     let first = close_gate(&server, &svc, &planned).await;
@@ -178,7 +176,7 @@ async fn a_wait_in_the_pacing_line_ends_at_the_deadline() {
         .layer(
             RetryLayer::new()
                 .policy(exact().deadline(Some(Duration::from_millis(2_500))))
-                .pacing(Some(pacing)),
+                .fleet(Fleet::builder().pacing(Some(pacing)).build()),
         )
         .service(http_client());
     let origin = Instant::now();

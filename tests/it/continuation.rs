@@ -2,11 +2,9 @@
 //! continued append-only and stitched into one response; the bytes each follow-up carries are
 //! the previous request's with two turns appended; truncated tool calls are never continued.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use hyper::body::Incoming;
 use serde_json::{json, Value};

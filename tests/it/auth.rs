@@ -1,14 +1,12 @@
 //! AuthLayer against the mock server: the credentials the server saw on each request, the
 //! bytes it received, how often the refresh function ran, and what the caller gets back.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use tokio::task::JoinSet;

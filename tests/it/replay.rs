@@ -1,15 +1,13 @@
 //! Every attempt sends the caller's bytes: hashed at the server, for `Full` and streamed
 //! bodies; oversize and failing bodies send nothing; unsafe requests are not replayed.
 
-mod common;
-
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{HeaderName, Request, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
@@ -241,11 +239,15 @@ async fn a_body_too_large_to_hold_waits_at_the_gate_and_within_the_deadline() {
             RetryLayer::new()
                 .body_limit(64 * 1024)
                 .policy(RetryPolicy::default().jitter(Jitter::none()).max_retries(0))
-                .cooldown_gate(Some(
-                    tower_llm_retry::fleet::GateConfig::new()
-                        .spread(0.0, Duration::ZERO)
-                        .unwrap(),
-                )),
+                .fleet(
+                    tower_llm_retry::Fleet::builder()
+                        .cooldown_gate(Some(
+                            tower_llm_retry::fleet::GateConfig::new()
+                                .spread(0.0, Duration::ZERO)
+                                .unwrap(),
+                        ))
+                        .build(),
+                ),
         )
         .service(http_client());
     // A 429 closes the gate for 10 s.
@@ -370,7 +372,7 @@ async fn per_request_policy_overrides_the_layer() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn attempt_header_counts_up_from_zero() {
+async fn retry_count_header_counts_up_from_zero() {
     let server = MockServer::start(
         Script::new()
             .then(Reply::status(500))
@@ -380,7 +382,10 @@ async fn attempt_header_counts_up_from_zero() {
     .await
     .unwrap();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().attempt_header(HeaderName::from_static("x-stainless-retry-count")))
+        .layer(
+            RetryLayer::new()
+                .retry_count_header(HeaderName::from_static("x-stainless-retry-count")),
+        )
         .service(http_client());
     svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
         .await
@@ -439,10 +444,10 @@ async fn inner_layers_see_the_attempt_context() {
     assert_eq!(
         *seen.lock().unwrap(),
         [
-            (0, None, 0),
-            (1, Some(FailureClass::Overloaded), 1),
-            (2, Some(FailureClass::Overloaded), 2),
-            (3, Some(FailureClass::Server), 0),
+            (1, None, 0),
+            (2, Some(FailureClass::Overloaded), 1),
+            (3, Some(FailureClass::Overloaded), 2),
+            (4, Some(FailureClass::Server), 0),
         ]
     );
 }

@@ -6,12 +6,10 @@
 
 #![cfg(feature = "mock")]
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::{anthropic_request, concat, drain, exact_policy, sha256, Recorder, Seen, BODY};
 use bytes::Bytes;
-use common::{anthropic_request, concat, drain, exact_policy, sha256, Recorder, Seen, BODY};
 use http::{StatusCode, Version};
 use http_body_util::Full;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -20,7 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::mock::{MockServer, Protocol, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{MockServer, Protocol, Reply, Script, SseFrame};
 use tower_llm_retry::{
     ErrorKind, FailureClass, GiveUpReason, NotReplaySafe, ReplayBody, RetryLayer, RetryPolicy,
     RetryTrail,
@@ -212,17 +210,17 @@ async fn a_reset_before_the_head_is_retried() {
 #[tokio::test(start_paused = true)]
 async fn an_in_band_sse_error_before_output_is_retried() {
     let good = vec![
-        SseEvent::new("message_start", r#"{"type":"message_start"}"#),
-        SseEvent::new("content_block_delta", r#"{"type":"content_block_delta"}"#),
-        SseEvent::new("message_stop", r#"{"type":"message_stop"}"#),
+        SseFrame::new("message_start", r#"{"type":"message_start"}"#),
+        SseFrame::new("content_block_delta", r#"{"type":"content_block_delta"}"#),
+        SseFrame::new("message_stop", r#"{"type":"message_stop"}"#),
     ];
     for wire in WIRES {
         let (server, client) = serve(
             wire,
             Script::new()
                 .then(Reply::sse(vec![
-                    SseEvent::new("message_start", r#"{"type":"message_start"}"#),
-                    SseEvent::new(
+                    SseFrame::new("message_start", r#"{"type":"message_start"}"#),
+                    SseFrame::new(
                         "error",
                         r#"{"type":"error","error":{"type":"overloaded_error"}}"#,
                     ),
@@ -286,7 +284,7 @@ async fn a_refused_stream_is_re_sent_at_once_even_when_not_replay_safe() {
         assert!(matches!(
             recorder.seen()[0],
             Seen::Retry {
-                attempt: 0,
+                attempt: 1,
                 class: FailureClass::NotProcessed,
                 ..
             }

@@ -1,16 +1,14 @@
 //! Streaming safety over real sockets: the SSE first-event gate, head and idle timeouts, the
 //! commit point, truncated envelopes and the output-limit marker.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use http_body::Body as _;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::retry::Jitter;
 use tower_llm_retry::{
     CommitReason, ErrorKind, FailureClass, GiveUpReason, OutputTruncated, RetryBody, RetryLayer,
@@ -66,7 +64,7 @@ async fn in_band_overload_before_output_is_retried_transparently() {
     let recorder = Recorder::default();
     let bad = vec![
         sse::anthropic_message(&[])[0].clone(), // message_start
-        SseEvent::new("ping", r#"{"type": "ping"}"#),
+        SseFrame::new("ping", r#"{"type": "ping"}"#),
         sse::anthropic_error("overloaded_error"),
     ];
     let good = sse::anthropic_message(&["The ", "answer ", "is 42."]);
@@ -265,7 +263,7 @@ async fn openai_stream_error_before_output_is_retried() {
     let role_chunk = good[0].clone();
     let bad = vec![
         role_chunk,
-        SseEvent::data(
+        SseFrame::data(
             r#"{"error":{"message":"The server is overloaded","type":"server_error","param":null,"code":null}}"#,
         ),
     ];
@@ -315,7 +313,7 @@ async fn long_preamble_ends_the_peek_without_losing_bytes() {
     // 80 KiB of pings and comments before the first output.
     let mut events = vec![sse::anthropic_message(&[])[0].clone()];
     for i in 0..2000 {
-        events.push(SseEvent::raw(format!(
+        events.push(SseFrame::raw(format!(
             ": keep-alive comment number {i:05}\n\n"
         )));
     }

@@ -5,25 +5,23 @@
 //! attempts, retries must stay within the budget, and no task may be left behind.
 //!
 //! `soak_ci` (1,000 requests) runs with the suite; `soak_full` (10,000) with
-//! `cargo test --test soak -- --ignored`.
-
-mod common;
+//! `cargo test --test it soak_full -- --ignored`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http_body_util::{BodyExt, Full};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::BudgetConfig;
+use tower_llm_retry::fleet::{BudgetConfig, Fleet};
 use tower_llm_retry::json_edit::{read_value, replace_value};
-use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::retry::Random;
 use tower_llm_retry::{
     ApiKey, AuthLayer, ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer,
@@ -56,7 +54,7 @@ fn random_reply(rng: &mut StdRng) -> Reply {
         88 => Reply::stall(),
         89..=93 => Reply::sse(vec![
             sse::anthropic_message(&[])[0].clone(),
-            SseEvent::new("ping", r#"{"type": "ping"}"#),
+            SseFrame::new("ping", r#"{"type": "ping"}"#),
             sse::anthropic_error("overloaded_error"),
         ]),
         94..=96 => Reply::context_overflow(190_000, MAX_TOKENS, 195_000),
@@ -97,7 +95,7 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                         .head_timeout(Some(Duration::from_secs(30)))
                         .idle_timeout(Some(Duration::from_secs(30))),
                 )
-                .budget(Some(budget)),
+                .fleet(Fleet::builder().budget(Some(budget)).build()),
         )
         .layer(ModelFallbackLayer::new([FALLBACK]).unwrap())
         .layer(ContextOverflowLayer::new())
@@ -252,7 +250,7 @@ async fn soak_ci() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "the full-size soak: cargo test --test soak -- --ignored"]
+#[ignore = "the full-size soak: cargo test --test it soak_full -- --ignored"]
 async fn soak_full() {
     let (tally, elapsed) = soak(10_000, 11).await;
     report(10_000, &tally, elapsed);

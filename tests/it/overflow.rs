@@ -2,19 +2,18 @@
 //! formula and re-sent at once, byte for byte; overflows it cannot repair handed back with
 //! their numbers.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, RecordedRequest, Reply, Script};
 use tower_llm_retry::{
-    ContextOverflow, ContextOverflowLayer, OverflowRepaired, RetryBody, RetryLayer, RetryTrail,
+    ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired, RetryBody, RetryLayer,
+    RetryTrail,
 };
 
 type Response = http::Response<RetryBody<RetryBody<Incoming>>>;
@@ -66,7 +65,7 @@ async fn max_tokens_overflow_is_repaired_and_resent_at_once() {
             to: 49_000
         })
     );
-    assert!(res.extensions().get::<ContextOverflow>().is_none());
+    assert!(res.extensions().get::<ContextWindowExceeded>().is_none());
     // The repair is part of the first attempt: the retry loop saw one success.
     assert!(res.extensions().get::<RetryTrail>().is_none());
 }
@@ -121,7 +120,7 @@ async fn an_overflow_the_floor_cannot_fit_is_not_resent() {
     let (server, res) = run(script, ContextOverflowLayer::new(), BODY).await;
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(server.request_count(), 1);
-    let overflow = *res.extensions().get::<ContextOverflow>().unwrap();
+    let overflow = *res.extensions().get::<ContextWindowExceeded>().unwrap();
     assert_eq!(overflow.input_tokens, Some(199_500));
     assert_eq!(overflow.limit, Some(200_000));
     assert_eq!(overflow.max_tokens, Some(64_000));
@@ -141,7 +140,7 @@ async fn a_prompt_too_long_is_handed_back_with_its_numbers() {
         let (server, res) = run(Script::always(reply), ContextOverflowLayer::new(), BODY).await;
         assert_eq!(res.status().as_u16(), status);
         assert_eq!(server.request_count(), 1, "not re-sent, not retried");
-        let overflow = *res.extensions().get::<ContextOverflow>().unwrap();
+        let overflow = *res.extensions().get::<ContextWindowExceeded>().unwrap();
         assert_eq!(
             (overflow.input_tokens, overflow.limit),
             (Some(210_000), Some(200_000))
@@ -165,7 +164,7 @@ async fn openai_context_length_exceeded_is_handed_back() {
     );
     let (server, res) = run(Script::always(reply), ContextOverflowLayer::new(), BODY).await;
     assert_eq!(server.request_count(), 1);
-    let overflow = *res.extensions().get::<ContextOverflow>().unwrap();
+    let overflow = *res.extensions().get::<ContextWindowExceeded>().unwrap();
     assert_eq!(
         (overflow.input_tokens, overflow.limit),
         (Some(130_000), Some(128_000))
@@ -205,7 +204,7 @@ async fn a_repair_that_still_overflows_is_returned_after_one_resend() {
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(server.request_count(), 2);
     assert!(res.extensions().get::<OverflowRepaired>().is_some());
-    assert!(res.extensions().get::<ContextOverflow>().is_some());
+    assert!(res.extensions().get::<ContextWindowExceeded>().is_some());
 }
 
 #[tokio::test(start_paused = true)]
@@ -214,7 +213,7 @@ async fn other_400s_pass_through() {
     let (server, res) = run(Script::always(reply), ContextOverflowLayer::new(), BODY).await;
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(server.request_count(), 1);
-    assert!(res.extensions().get::<ContextOverflow>().is_none());
+    assert!(res.extensions().get::<ContextWindowExceeded>().is_none());
 }
 
 #[tokio::test(start_paused = true)]
@@ -261,5 +260,5 @@ async fn a_body_too_large_to_buffer_is_sent_once() {
     assert_eq!(seen.len(), 1);
     assert_eq!(sha256(&seen[0].body), sha256(BODY.as_bytes()));
     // Not repaired, but still recognised for the caller.
-    assert!(res.extensions().get::<ContextOverflow>().is_some());
+    assert!(res.extensions().get::<ContextWindowExceeded>().is_some());
 }

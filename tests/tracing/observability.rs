@@ -1,13 +1,11 @@
 //! The observer and tracing see every attempt exactly once, and never a credential.
 
-mod common;
-
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};
@@ -95,15 +93,15 @@ async fn observer_sees_each_retry_then_the_recovery() {
     assert_eq!(
         recorder.seen(),
         [
-            retry(0, FailureClass::Server, Some(503), None, 500),
+            retry(1, FailureClass::Server, Some(503), None, 500),
             retry(
-                1,
+                2,
                 FailureClass::RateLimited,
                 Some(429),
                 Some(Duration::from_secs(2)),
                 2000
             ),
-            retry(2, FailureClass::Transport, None, None, 2000),
+            retry(3, FailureClass::Transport, None, None, 2000),
             Seen::Recovered(4),
         ]
     );
@@ -115,7 +113,7 @@ async fn observer_sees_each_retry_then_the_recovery() {
     assert_eq!(records.len(), 3);
     assert_eq!(
         records.iter().map(|r| r.attempt).collect::<Vec<_>>(),
-        [0, 1, 2]
+        [1, 2, 3]
     );
     assert_eq!(
         records.iter().map(|r| r.delay).collect::<Vec<_>>(),

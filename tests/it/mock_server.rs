@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tower_llm_retry::mock::{sse, Capacity, MockServer, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, Capacity, MockServer, Reply, Script, SseFrame};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
@@ -330,12 +330,12 @@ async fn stall_mid_body_sends_the_first_bytes_then_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn sse_frames_arrive_after_their_delays() {
-    let events: Vec<SseEvent> = sse::anthropic_message(&["Hel", "lo"])
+    let events: Vec<SseFrame> = sse::anthropic_message(&["Hel", "lo"])
         .into_iter()
         .enumerate()
         .map(|(i, event)| event.after(Duration::from_millis(100 * i as u64)))
         .collect();
-    let expected: Vec<Bytes> = events.iter().map(SseEvent::bytes).collect();
+    let expected: Vec<Bytes> = events.iter().map(SseFrame::bytes).collect();
     let server = MockServer::start(Script::new().then(Reply::sse(events)))
         .await
         .unwrap();
@@ -422,7 +422,7 @@ async fn sse_then_reset_fails_after_the_events() {
 #[tokio::test(start_paused = true)]
 async fn sse_then_stall_keeps_the_stream_open() {
     let events = vec![
-        SseEvent::new("ping", "{}"),
+        SseFrame::new("ping", "{}"),
         sse::anthropic_error("overloaded_error").after(Duration::from_secs(1)),
     ];
     let server = MockServer::start(Script::new().then(Reply::sse_then_stall(events)))
@@ -446,10 +446,10 @@ async fn sse_then_stall_keeps_the_stream_open() {
 
 #[test]
 fn sse_event_bytes() {
-    assert_eq!(SseEvent::new("a", "b").bytes(), "event: a\ndata: b\n\n");
-    assert_eq!(SseEvent::data("[DONE]").bytes(), "data: [DONE]\n\n");
-    assert_eq!(SseEvent::data("x\ny").bytes(), "data: x\ndata: y\n\n");
-    assert_eq!(SseEvent::raw("data: {").bytes(), "data: {");
+    assert_eq!(SseFrame::new("a", "b").bytes(), "event: a\ndata: b\n\n");
+    assert_eq!(SseFrame::data("[DONE]").bytes(), "data: [DONE]\n\n");
+    assert_eq!(SseFrame::data("x\ny").bytes(), "data: x\ndata: y\n\n");
+    assert_eq!(SseFrame::raw("data: {").bytes(), "data: {");
 
     let chunks = sse::openai_chat(&["a", "b"]);
     assert_eq!(chunks.last().unwrap().bytes(), "data: [DONE]\n\n");
@@ -584,7 +584,7 @@ async fn shutdown_ends_every_task() {
         Script::new()
             .then(Reply::stall())
             .then(Reply::stall_mid_body(200, "x"))
-            .then(Reply::sse_then_stall(vec![SseEvent::data("a")])),
+            .then(Reply::sse_then_stall(vec![SseFrame::data("a")])),
     )
     .await
     .unwrap();

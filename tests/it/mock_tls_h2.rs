@@ -20,7 +20,7 @@ use rustls::pki_types::CertificateDer;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
-use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script, SseEvent};
+use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script, SseFrame};
 
 type HttpsClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 type H2cClient = Client<HttpConnector, Full<Bytes>>;
@@ -348,7 +348,7 @@ async fn plain_http2_only_serves_h2c() {
 
 #[tokio::test(start_paused = true)]
 async fn sse_over_h2_and_tls_arrives_byte_identical() {
-    let events: Vec<SseEvent> = sse::anthropic_message(&["Hel", "lo", ", wor", "ld"])
+    let events: Vec<SseFrame> = sse::anthropic_message(&["Hel", "lo", ", wor", "ld"])
         .into_iter()
         .enumerate()
         .map(|(i, event)| event.after(Duration::from_millis(50 * i as u64)))
@@ -421,7 +421,7 @@ async fn reset_stream_after_head_fails_the_body_with_internal_error() {
 #[tokio::test(start_paused = true)]
 async fn sse_then_reset_stream_fails_one_stream_only() {
     let events = sse::openai_chat(&["Hi"]);
-    let sent: Vec<SseEvent> = events[..2].to_vec();
+    let sent: Vec<SseFrame> = events[..2].to_vec();
     let expected: Vec<u8> = sent.iter().flat_map(|e| e.bytes()).collect();
     let server = tls_server(
         Script::new()
@@ -523,7 +523,7 @@ async fn connection_dropped_mid_stream_fails_every_stream_on_it() {
     let server = MockServer::start(
         Script::new()
             .then(Reply::stall_mid_body(200, "partial"))
-            .then(Reply::sse_then_reset(vec![SseEvent::data("one")])),
+            .then(Reply::sse_then_reset(vec![SseFrame::data("one")])),
     )
     .await
     .unwrap();
@@ -593,7 +593,7 @@ async fn shutdown_fails_in_flight_h2_streams() {
     let server = tls_server(
         Script::new()
             .then(Reply::stall())
-            .then(Reply::sse_then_stall(vec![SseEvent::data("one")])),
+            .then(Reply::sse_then_stall(vec![SseFrame::data("one")])),
     )
     .await;
     let client = https_client(&server);

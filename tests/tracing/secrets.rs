@@ -2,17 +2,14 @@
 //! appear in tracing output captured at TRACE level, nor in the `Debug` output of any public
 //! type, while the server does receive them.
 //!
-//! This binary holds one test on purpose: tracing decides once per callsite, process-wide,
-//! whether it is enabled, by the subscriber of the first thread to reach it, so a sibling test
-//! running without a subscriber could hide events from the capture.
-
-mod common;
+//! It lives in the `tracing` binary, where every test installs a TRACE-level subscriber (see
+//! `main.rs`), so no sibling running without one can hide events from the capture.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::{Request, StatusCode};
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{

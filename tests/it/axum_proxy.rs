@@ -1,16 +1,14 @@
 //! The `axum_proxy` example's app, end to end: a real axum server in front of the mock
 //! upstream, both on 127.0.0.1, under paused time.
 
-mod common;
-
 #[allow(dead_code, unreachable_pub)]
-#[path = "../examples/axum_proxy.rs"]
-mod axum_proxy;
+#[path = "../../examples/axum_proxy.rs"]
+mod app;
 
 use std::time::Duration;
 
+use crate::common::sha256;
 use bytes::{Bytes, BytesMut};
-use common::sha256;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -26,7 +24,7 @@ async fn serve(
 ) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let router = axum_proxy::app(upstream.url(""), policy);
+    let router = app::app(upstream.url(""), policy);
     let task = tokio::spawn(async move {
         axum::serve(listener, router).await.unwrap();
     });

@@ -1,12 +1,10 @@
 //! ModelFallbackLayer inside RetryLayer, against the mock server: which model each attempt
 //! went to, byte for byte, and what the caller gets back.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fallback::FallbackMode;

@@ -1,0 +1,31 @@
+//! The integration tests, as one binary: each module is one area of behaviour, against real
+//! servers on 127.0.0.1 (the `mock` module) and, where the components allow, paused time.
+//! The tests that capture tracing output live in the `tracing` binary instead.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod auth;
+mod axum_proxy;
+mod backoff;
+mod cancellation;
+mod classification;
+mod continuation;
+mod deadline;
+mod extremes;
+mod fallback;
+mod faults;
+mod fleet;
+mod http2;
+mod incomplete_stream;
+mod mcp;
+mod mock_server;
+mod mock_tls_h2;
+mod overflow;
+mod pipeline;
+mod properties;
+mod replay;
+mod reqwest;
+mod reqwest_tls;
+mod soak;
+mod streaming;
