@@ -257,8 +257,33 @@ impl Held {
                 self.body = Some(copy);
             }
         }
-        http::Request::from_parts(parts, body)
+        request(parts, body)
     }
+}
+
+/// The request of `parts` and `body`, its `content-length` (when it has one) saying the
+/// length of `body`: a layer that rewrote the body (a fallback model, a repaired
+/// `max_tokens`) must not send the caller's length with other bytes.
+pub(crate) fn request(
+    mut parts: http::request::Parts,
+    body: ReplayBody,
+) -> http::Request<ReplayBody> {
+    if let (Some(declared), Some(bytes)) = (
+        parts.headers.get(http::header::CONTENT_LENGTH),
+        body.as_bytes(),
+    ) {
+        let declared = declared
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if declared != Some(bytes.len() as u64) {
+            parts.headers.insert(
+                http::header::CONTENT_LENGTH,
+                http::HeaderValue::from(bytes.len()),
+            );
+        }
+    }
+    http::Request::from_parts(parts, body)
 }
 
 /// Takes `body` as a [`ReplayBody`] when that is what it is, so a layer inside

@@ -97,7 +97,7 @@ where
                 let future = {
                     let _enter = planner.span.enter();
                     // The service was polled ready before `call`.
-                    service.call(Request::from_parts(parts, body))
+                    service.call(crate::body::request(parts, body))
                 };
                 return ResponseFuture {
                     kind: Kind::Loop { future, planner },
@@ -273,7 +273,7 @@ where
                     let body = ctx.p.plan(&mut parts, body);
                     let future = {
                         let _enter = ctx.p.span.enter();
-                        ctx.service.call(Request::from_parts(parts, body))
+                        ctx.service.call(crate::body::request(parts, body))
                     };
                     this.state.set(State::Calling { future });
                 }

@@ -80,7 +80,7 @@ where
                     .unwrap_or(body);
                 let sent = body.as_bytes().cloned();
                 // The service was polled ready before `call`.
-                let future = service.call(Request::from_parts(parts, body));
+                let future = service.call(crate::body::request(parts, body));
                 let ctx = LoopCtx {
                     config,
                     sent,

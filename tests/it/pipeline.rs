@@ -256,3 +256,45 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     assert_eq!(server.request_count(), 3);
     assert_eq!(fleet.gate_closed_until(), None);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_rewritten_body_goes_out_with_its_own_content_length() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::context_overflow(197_000, 21_333, 200_000))
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await
+    .unwrap();
+    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":21333,"messages":[]}"#;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new(["claude-haiku-4-5"])
+                .unwrap()
+                .threshold(1)
+                .unwrap(),
+        )
+        .layer(ContextOverflowLayer::new())
+        .service(http_client());
+    let mut req = anthropic_request(&server.url("/v1/messages"), body);
+    req.headers_mut()
+        .insert(http::header::CONTENT_LENGTH, body.len().into());
+    let res = svc.oneshot(req).await.unwrap();
+
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = server.requests();
+    assert_eq!(seen.len(), 3);
+    // Each body arrived whole (a stale length would cut or stall it), and says so.
+    for r in &seen {
+        assert!(r.json().is_ok(), "{:?}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.headers["content-length"],
+            r.body.len().to_string().as_str()
+        );
+    }
+    assert_only_value_changed(body.as_bytes(), &seen[1].body, "max_tokens", "3000");
+    assert_eq!(seen[2].json().unwrap()["model"], "claude-haiku-4-5");
+    assert_eq!(seen[2].json().unwrap()["max_tokens"], 3000);
+}

@@ -1,0 +1,686 @@
+//! The proxy's configuration: a TOML file, then environment overrides, validated once at
+//! start-up into the typed structs the rest of the proxy reads.
+//!
+//! Every field has a default, so an empty file (or none) gives a proxy on `127.0.0.1:8787` in
+//! front of `https://api.anthropic.com` and `https://api.openai.com`, passing the client's own
+//! credentials through.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tower_llm_retry::{BudgetConfig, GateConfig, PacingConfig, RetryPolicy};
+
+/// The prefix of every environment variable the proxy reads.
+pub const ENV_PREFIX: &str = "LLM_RETRY_PROXY_";
+
+/// The whole configuration.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where to listen. Defaults to `127.0.0.1:8787`.
+    pub listen: SocketAddr,
+    /// The largest request body accepted, in bytes; a larger one is refused with `413` before
+    /// anything is sent. Defaults to 32 MiB (Anthropic's own request limit).
+    pub max_body_bytes: usize,
+    /// Requests handled at once; one more is refused at once with `503` and `Retry-After: 1`
+    /// (never queued). Defaults to 512.
+    pub max_concurrent_requests: usize,
+    /// How long a shutdown waits for in-flight requests and streams before it cuts them.
+    /// Defaults to 30 s.
+    pub drain_timeout_secs: u64,
+    /// How many (upstream, credential) stacks, each with its own budget, gate and pacing, are
+    /// kept; the least recently used is dropped beyond it. Defaults to 1,024.
+    pub max_tenants: usize,
+    /// `text` or `json` log lines on standard error. Defaults to `text`.
+    pub log_format: LogFormat,
+    /// The token clients must present (as `x-api-key`, `authorization: Bearer …` or
+    /// `x-llm-retry-token`) when the proxy holds the upstream keys. Prefer `client_token_env`.
+    /// Defaults to none.
+    pub client_token: Option<Secret>,
+    /// The name of an environment variable holding the client token. Defaults to none.
+    pub client_token_env: Option<String>,
+    /// The upstream APIs. Defaults to one Anthropic and one OpenAI upstream.
+    pub upstream: Vec<Upstream>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
+            max_body_bytes: 32 * 1024 * 1024,
+            max_concurrent_requests: 512,
+            drain_timeout_secs: 30,
+            max_tenants: 1024,
+            log_format: LogFormat::Text,
+            client_token: None,
+            client_token_env: None,
+            upstream: vec![
+                Upstream::new("anthropic", Kind::Anthropic, "https://api.anthropic.com"),
+                Upstream::new("openai", Kind::OpenAi, "https://api.openai.com"),
+            ],
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Which API an upstream speaks: it picks the well-known paths routed to it and the envelope
+/// of the proxy's own errors.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// The Anthropic Messages API.
+    Anthropic,
+    /// The OpenAI API (Chat Completions, Responses, Embeddings) and compatible gateways.
+    #[serde(rename = "openai")]
+    OpenAi,
+}
+
+impl Kind {
+    /// `anthropic` or `openai`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Anthropic => "anthropic",
+            Kind::OpenAi => "openai",
+        }
+    }
+}
+
+/// A named retry policy preset.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Preset {
+    /// 10 retries, 0.5 s doubling to 32 s.
+    Default,
+    /// The official SDKs' own loop: 2 retries, 0.5 s doubling to 8 s.
+    SdkCompatible,
+    /// 12 retries, 5 s doubling to 60 s, for unattended jobs.
+    Patient,
+    /// 3 retries, for a person waiting.
+    Interactive,
+    /// No retries.
+    Never,
+}
+
+impl Preset {
+    /// The preset of that name, as the `x-llm-retry-policy` header names it.
+    pub fn from_name(name: &str) -> Option<Preset> {
+        Some(match name.trim() {
+            "default" => Preset::Default,
+            "sdk_compatible" | "sdk-compatible" => Preset::SdkCompatible,
+            "patient" => Preset::Patient,
+            "interactive" => Preset::Interactive,
+            "never" => Preset::Never,
+            _ => return None,
+        })
+    }
+
+    /// The library's policy for this preset.
+    pub fn policy(self) -> RetryPolicy {
+        match self {
+            Preset::Default => RetryPolicy::default(),
+            Preset::SdkCompatible => RetryPolicy::sdk_compatible(),
+            Preset::Patient => RetryPolicy::patient(),
+            Preset::Interactive => RetryPolicy::interactive(),
+            Preset::Never => RetryPolicy::never(),
+        }
+    }
+}
+
+/// Where upstream TLS trust comes from.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Roots {
+    /// Mozilla's roots, built in (`webpki-roots`).
+    Webpki,
+    /// The operating system's store.
+    Native,
+}
+
+/// One upstream API.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Upstream {
+    /// A name for logs, metrics and env overrides. Defaults to `anthropic`.
+    pub name: String,
+    /// `anthropic` or `openai`. Defaults to `anthropic`.
+    pub kind: Kind,
+    /// The base URL; a path in it is kept in front of every forwarded path. Defaults to
+    /// `https://api.anthropic.com`.
+    pub url: String,
+    /// Requests under this path prefix go to this upstream, the prefix removed (`/eu/v1/models`
+    /// → `{url}/v1/models`). The first upstream of each kind also takes that kind's well-known
+    /// paths without a prefix. Defaults to `/{name}`.
+    pub prefix: Option<String>,
+    /// The retry preset. Defaults to `default`.
+    pub policy: Preset,
+    /// Overrides the preset's retry count. Defaults to the preset's.
+    pub max_retries: Option<u32>,
+    /// Overrides the preset's first backoff, in milliseconds. Defaults to the preset's.
+    pub initial_backoff_ms: Option<u64>,
+    /// Overrides the preset's longest backoff, in milliseconds. Defaults to the preset's.
+    pub max_backoff_ms: Option<u64>,
+    /// Overrides the preset's `Retry-After` ceiling, in seconds. Defaults to the preset's.
+    pub retry_after_max_secs: Option<u64>,
+    /// Time to the response head per attempt, in seconds. Defaults to 600.
+    pub head_timeout_secs: Option<u64>,
+    /// Longest silence between body frames, in seconds (before a stream's commit point a
+    /// stall is retried; after it, the client gets the protocol's error). Defaults to 600.
+    pub idle_timeout_secs: Option<u64>,
+    /// Total deadline per request, in seconds. Defaults to none.
+    pub deadline_secs: Option<u64>,
+    /// Models to fall back to after repeated overloads, in order. Defaults to none.
+    pub fallback: Vec<String>,
+    /// Consecutive overloads before the next model is tried. Defaults to 3.
+    pub fallback_threshold: u32,
+    /// Lower a `max_tokens` that does not fit the context window and re-send once.
+    /// Defaults to `true`.
+    pub overflow_repair: bool,
+    /// The retry budget (retries at most 20 % of first attempts plus 10 a second).
+    /// Defaults to `true`.
+    pub budget: bool,
+    /// The cooldown gate: a `Retry-After` holds the tenant's other requests too.
+    /// Defaults to `true`.
+    pub gate: bool,
+    /// Adaptive pacing of the tenant's attempts. Defaults to `false`.
+    pub pacing: bool,
+    /// An environment variable with the upstream keys the proxy holds (separated by commas
+    /// or new lines); a client token is then required. Defaults to none: clients' own
+    /// credentials pass through.
+    pub keys_env: Option<String>,
+    /// A file with one upstream key per line, as `keys_env`. Defaults to none.
+    pub keys_file: Option<PathBuf>,
+    /// `webpki` or `native` trust roots for HTTPS upstreams. Defaults to `webpki`.
+    pub roots: Roots,
+    /// A PEM file of extra certificate authorities to trust (a corporate gateway).
+    /// Defaults to none.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream::new("anthropic", Kind::Anthropic, "https://api.anthropic.com")
+    }
+}
+
+impl Upstream {
+    /// An upstream with every other setting at its default.
+    pub fn new(name: &str, kind: Kind, url: &str) -> Self {
+        Upstream {
+            name: name.to_owned(),
+            kind,
+            url: url.to_owned(),
+            prefix: None,
+            policy: Preset::Default,
+            max_retries: None,
+            initial_backoff_ms: None,
+            max_backoff_ms: None,
+            retry_after_max_secs: None,
+            head_timeout_secs: None,
+            idle_timeout_secs: None,
+            deadline_secs: None,
+            fallback: Vec::new(),
+            fallback_threshold: 3,
+            overflow_repair: true,
+            budget: true,
+            gate: true,
+            pacing: false,
+            keys_env: None,
+            keys_file: None,
+            roots: Roots::Webpki,
+            ca_file: None,
+        }
+    }
+
+    /// The path prefix routed here: `prefix`, or `/{name}`.
+    pub fn route_prefix(&self) -> String {
+        let p = self
+            .prefix
+            .clone()
+            .unwrap_or_else(|| format!("/{}", self.name));
+        let p = p.trim_end_matches('/');
+        if p.starts_with('/') {
+            p.to_owned()
+        } else {
+            format!("/{p}")
+        }
+    }
+
+    /// Whether the proxy holds this upstream's keys.
+    pub fn holds_keys(&self) -> bool {
+        self.keys_env.is_some() || self.keys_file.is_some()
+    }
+
+    /// The preset with this upstream's overrides applied.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        self.apply_overrides(self.policy.policy())
+    }
+
+    /// Applies the timeouts and overrides of this upstream to `policy` (used for a preset a
+    /// request picks by header too, so its timeouts stay the upstream's).
+    pub fn apply_overrides(&self, mut policy: RetryPolicy) -> RetryPolicy {
+        if let Some(n) = self.max_retries {
+            policy = policy.max_retries(n);
+        }
+        if let Some(ms) = self.initial_backoff_ms {
+            policy = policy.initial_backoff(Duration::from_millis(ms));
+        }
+        if let Some(ms) = self.max_backoff_ms {
+            policy = policy.max_backoff(Duration::from_millis(ms));
+        }
+        if let Some(s) = self.retry_after_max_secs {
+            policy = policy.retry_after_max(Duration::from_secs(s));
+        }
+        self.apply_timeouts(policy)
+    }
+
+    /// Applies only this upstream's timeouts to `policy`.
+    pub fn apply_timeouts(&self, mut policy: RetryPolicy) -> RetryPolicy {
+        if let Some(s) = self.head_timeout_secs {
+            policy = policy.head_timeout(Some(Duration::from_secs(s)));
+        }
+        if let Some(s) = self.idle_timeout_secs {
+            policy = policy.idle_timeout(Some(Duration::from_secs(s)));
+        }
+        if let Some(s) = self.deadline_secs {
+            policy = policy.deadline(Some(Duration::from_secs(s)));
+        }
+        policy
+    }
+
+    /// The fleet settings: budget, gate and pacing, each `None` when off.
+    pub fn fleet(
+        &self,
+    ) -> (
+        Option<BudgetConfig>,
+        Option<GateConfig>,
+        Option<PacingConfig>,
+    ) {
+        (
+            self.budget.then(BudgetConfig::default),
+            self.gate.then(GateConfig::new),
+            self.pacing.then(PacingConfig::new),
+        )
+    }
+}
+
+/// A secret read from the configuration: shown as `"***"` everywhere.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+
+    /// The secret itself, for the one place that compares it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"***\"")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("***")
+    }
+}
+
+/// A configuration that cannot be used, naming the file or variable, the key and the fix.
+#[derive(Debug)]
+pub struct ConfigError(String);
+
+impl ConfigError {
+    fn new(msg: impl Into<String>) -> Self {
+        ConfigError(msg.into())
+    }
+
+    /// An error with this message.
+    pub fn from_message(msg: impl Into<String>) -> Self {
+        ConfigError(msg.into())
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Reads `path` (or the defaults when `None`), then applies the environment overrides
+    /// and validates the result.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut config = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    ConfigError::new(format!("cannot read config file {}: {e}", path.display()))
+                })?;
+                Config::from_toml(&text).map_err(|e| {
+                    ConfigError::new(format!("in config file {}: {e}", path.display()))
+                })?
+            }
+            None => Config::default(),
+        };
+        config.apply_env(std::env::vars())?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses TOML, without env overrides or validation.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::new(e.to_string()))
+    }
+
+    /// Applies `LLM_RETRY_PROXY_*` overrides from `vars`: `LISTEN`, `MAX_BODY_BYTES`,
+    /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `LOG_FORMAT`,
+    /// `CLIENT_TOKEN`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
+    /// `UPSTREAM_{NAME}_MAX_RETRIES` (`NAME` upper-cased, `-` as `_`).
+    pub fn apply_env(
+        &mut self,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(), ConfigError> {
+        for (key, value) in vars {
+            let Some(key) = key.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let bad = |what: &str| {
+                ConfigError::new(format!(
+                    "environment variable {ENV_PREFIX}{key}: {what} (got {value:?})"
+                ))
+            };
+            match key {
+                "LISTEN" => self.listen = value.parse().map_err(|_| bad("expected ip:port"))?,
+                "MAX_BODY_BYTES" => {
+                    self.max_body_bytes = value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "MAX_CONCURRENT_REQUESTS" => {
+                    self.max_concurrent_requests =
+                        value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "DRAIN_TIMEOUT_SECS" => {
+                    self.drain_timeout_secs = value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "MAX_TENANTS" => {
+                    self.max_tenants = value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "LOG_FORMAT" => {
+                    self.log_format = match value.as_str() {
+                        "text" => LogFormat::Text,
+                        "json" => LogFormat::Json,
+                        _ => return Err(bad("expected text or json")),
+                    }
+                }
+                "CLIENT_TOKEN" => self.client_token = Some(Secret::new(value.clone())),
+                // The log filter, read by the binary.
+                "LOG" => {}
+                _ => {
+                    let Some(rest) = key.strip_prefix("UPSTREAM_") else {
+                        return Err(bad("unknown setting"));
+                    };
+                    let up = self
+                        .upstream
+                        .iter_mut()
+                        .find(|u| rest.starts_with(&format!("{}_", env_name(&u.name))))
+                        .ok_or_else(|| bad("no upstream of that name"))?;
+                    match &rest[env_name(&up.name).len() + 1..] {
+                        "URL" => up.url = value.clone(),
+                        "POLICY" => up.policy = Preset::from_name(&value).ok_or_else(|| {
+                            bad("expected default, sdk_compatible, patient, interactive or never")
+                        })?,
+                        "MAX_RETRIES" => {
+                            up.max_retries =
+                                Some(value.parse().map_err(|_| bad("expected a number"))?)
+                        }
+                        _ => return Err(bad("unknown upstream setting")),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks what serde cannot: URLs, prefixes, names, fallback chains, key sources.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.upstream.is_empty() {
+            return Err(ConfigError::new(
+                "no [[upstream]] configured: add at least one",
+            ));
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err(ConfigError::new(
+                "max_concurrent_requests = 0 would refuse every request: use at least 1",
+            ));
+        }
+        if self.max_tenants == 0 {
+            return Err(ConfigError::new("max_tenants must be at least 1"));
+        }
+        let mut prefixes = Vec::new();
+        for up in &self.upstream {
+            let at = format!("[[upstream]] {:?}", up.name);
+            if up.name.is_empty()
+                || !up
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(ConfigError::new(format!(
+                    "{at}: name must be non-empty ASCII letters, digits, '-' or '_'"
+                )));
+            }
+            let uri: http::Uri = up.url.parse().map_err(|e| {
+                ConfigError::new(format!("{at}: url {:?} is not a URL: {e}", up.url))
+            })?;
+            if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+                return Err(ConfigError::new(format!(
+                    "{at}: url {:?} needs http:// or https:// and a host",
+                    up.url
+                )));
+            }
+            if uri.query().is_some() {
+                return Err(ConfigError::new(format!("{at}: url must not have a query")));
+            }
+            let prefix = up.route_prefix();
+            if prefix == "/v1" || prefix.is_empty() || prefix == "/" || prefix.starts_with("/v1/") {
+                return Err(ConfigError::new(format!(
+                    "{at}: prefix {prefix:?} would shadow the API's own paths: pick e.g. \"/{}\"",
+                    up.name
+                )));
+            }
+            if prefix.starts_with("/livez")
+                || prefix.starts_with("/readyz")
+                || prefix.starts_with("/metrics")
+            {
+                return Err(ConfigError::new(format!(
+                    "{at}: prefix {prefix:?} is taken by the proxy's own endpoints"
+                )));
+            }
+            if prefixes.contains(&prefix) {
+                return Err(ConfigError::new(format!(
+                    "{at}: prefix {prefix:?} is used twice"
+                )));
+            }
+            prefixes.push(prefix);
+            if up.fallback_threshold == 0 {
+                return Err(ConfigError::new(format!(
+                    "{at}: fallback_threshold must be at least 1"
+                )));
+            }
+            if up.fallback.iter().any(|m| m.is_empty()) {
+                return Err(ConfigError::new(format!(
+                    "{at}: fallback has an empty model name"
+                )));
+            }
+            if up.keys_env.is_some() && up.keys_file.is_some() {
+                return Err(ConfigError::new(format!(
+                    "{at}: set keys_env or keys_file, not both"
+                )));
+            }
+        }
+        if self.upstream.iter().any(Upstream::holds_keys) && self.client_token_source().is_none() {
+            return Err(ConfigError::new(
+                "the proxy holds upstream keys but no client token is set: set client_token_env \
+                 (or LLM_RETRY_PROXY_CLIENT_TOKEN), so that the proxy is not an open relay",
+            ));
+        }
+        Ok(())
+    }
+
+    fn client_token_source(&self) -> Option<Secret> {
+        if let Some(t) = &self.client_token {
+            return Some(t.clone());
+        }
+        let name = self.client_token_env.as_ref()?;
+        std::env::var(name)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .map(Secret::new)
+    }
+
+    /// The client token, from `client_token` or the variable `client_token_env` names.
+    pub fn resolved_client_token(&self) -> Result<Option<Secret>, ConfigError> {
+        if self.client_token.is_none() {
+            if let Some(name) = &self.client_token_env {
+                if std::env::var(name).map_or(true, |v| v.is_empty()) {
+                    return Err(ConfigError::new(format!(
+                        "client_token_env names {name}, which is not set"
+                    )));
+                }
+            }
+        }
+        Ok(self.client_token_source())
+    }
+
+    /// The resolved configuration as TOML, with every secret shown as `"***"`.
+    pub fn masked(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+
+    /// The drain deadline.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout_secs)
+    }
+}
+
+fn env_name(name: &str) -> String {
+    name.to_ascii_uppercase().replace('-', "_")
+}
+
+/// Reads the keys an upstream holds, from its `keys_env` or `keys_file`.
+pub fn load_keys(up: &Upstream) -> Result<Option<Vec<String>>, ConfigError> {
+    let text = if let Some(var) = &up.keys_env {
+        std::env::var(var).map_err(|_| {
+            ConfigError::new(format!(
+                "[[upstream]] {:?}: keys_env names {var}, which is not set",
+                up.name
+            ))
+        })?
+    } else if let Some(path) = &up.keys_file {
+        std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::new(format!(
+                "[[upstream]] {:?}: cannot read keys_file {}: {e}",
+                up.name,
+                path.display()
+            ))
+        })?
+    } else {
+        return Ok(None);
+    };
+    let keys: Vec<String> = text
+        .split([',', '\n'])
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && !k.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    if keys.is_empty() {
+        return Err(ConfigError::new(format!(
+            "[[upstream]] {:?}: its key source holds no key",
+            up.name
+        )));
+    }
+    Ok(Some(keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_mask() {
+        let mut c = Config::from_toml("").unwrap();
+        assert_eq!(c, Config::default());
+        c.client_token = Some(Secret::new("tok-SECRET"));
+        c.validate().unwrap();
+        let shown = c.masked();
+        assert!(shown.contains("\"***\""), "{shown}");
+        assert!(!shown.contains("SECRET"));
+        assert!(!format!("{c:?}").contains("SECRET"));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_their_name() {
+        let e = Config::from_toml("listen = \"127.0.0.1:1\"\nlisten_port = 3\n").unwrap_err();
+        assert!(e.to_string().contains("listen_port"), "{e}");
+        let e = Config::from_toml("[[upstream]]\nname = \"a\"\nurls = \"x\"\n").unwrap_err();
+        assert!(e.to_string().contains("urls"), "{e}");
+    }
+
+    #[test]
+    fn env_overrides() {
+        let mut c = Config::default();
+        c.apply_env([
+            ("LLM_RETRY_PROXY_LISTEN".into(), "127.0.0.1:9999".into()),
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_OPENAI_URL".into(),
+                "http://127.0.0.1:1".into(),
+            ),
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_ANTHROPIC_POLICY".into(),
+                "patient".into(),
+            ),
+            ("OTHER".into(), "ignored".into()),
+        ])
+        .unwrap();
+        assert_eq!(c.listen.port(), 9999);
+        assert_eq!(c.upstream[1].url, "http://127.0.0.1:1");
+        assert_eq!(c.upstream[0].policy, Preset::Patient);
+        let e = c
+            .apply_env([("LLM_RETRY_PROXY_UPSTREAM_NOPE_URL".into(), "x".into())])
+            .unwrap_err();
+        assert!(e.to_string().contains("UPSTREAM_NOPE_URL"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let mut c = Config::default();
+        c.upstream[0].keys_env = Some("SOME_KEYS".into());
+        let e = c.validate().unwrap_err();
+        assert!(e.to_string().contains("open relay"), "{e}");
+        let mut c = Config::default();
+        c.upstream[1].prefix = Some("/v1".into());
+        assert!(c.validate().unwrap_err().to_string().contains("shadow"));
+        let mut c = Config::default();
+        c.upstream[0].url = "ftp://x".into();
+        assert!(c.validate().unwrap_err().to_string().contains("http://"));
+    }
+}

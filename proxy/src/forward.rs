@@ -1,0 +1,122 @@
+//! The faithful copy: which headers cross the proxy, and what it adds to a response.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1), plus `host`,
+/// which the client sets from the upstream URL.
+const HOP_BY_HOP: &[HeaderName] = &[
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::HOST,
+];
+
+/// Request headers that are the proxy's own and are stripped before forwarding.
+pub const RETRY_SWITCH: &str = "x-llm-retry";
+/// Picks a preset for one request.
+pub const RETRY_POLICY: &str = "x-llm-retry-policy";
+/// Where a client may present the proxy's token (besides `x-api-key` and `authorization`).
+pub const CLIENT_TOKEN: &str = "x-llm-retry-token";
+/// The official SDKs' attempt counter: above 0, the client is retrying the proxy.
+pub const SDK_RETRY_COUNT: &str = "x-stainless-retry-count";
+
+/// Removes hop-by-hop headers, those the `Connection` header names, and `keep-alive` /
+/// `proxy-connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in HOP_BY_HOP.iter().chain(named.iter()) {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// The request headers to send upstream: the client's, less hop-by-hop headers and the
+/// proxy's own, and less the client's credentials when the proxy holds the keys.
+pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
+    strip_hop_by_hop(&mut headers);
+    // Framing, like `transfer-encoding`: the client sets it from the body it sends, which is
+    // the caller's bytes unless a layer changed one JSON value (`model`, `max_tokens`).
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(RETRY_SWITCH);
+    headers.remove(RETRY_POLICY);
+    headers.remove(CLIENT_TOKEN);
+    if holds_keys {
+        headers.remove(header::AUTHORIZATION);
+        headers.remove("x-api-key");
+    }
+    headers
+}
+
+/// The credential a client presented: `x-llm-retry-token`, `x-api-key`, or the token of
+/// `authorization: Bearer …`, in that order.
+pub fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    let direct = [CLIENT_TOKEN, "x-api-key"]
+        .into_iter()
+        .flat_map(|n| headers.get_all(n))
+        .map(HeaderValue::as_bytes);
+    let bearer = headers
+        .get_all(header::AUTHORIZATION)
+        .into_iter()
+        .filter_map(|v| {
+            let v = v.as_bytes();
+            let (scheme, rest) = v.split_at(v.iter().position(|b| *b == b' ')?);
+            scheme
+                .eq_ignore_ascii_case(b"bearer")
+                .then(|| rest.trim_ascii())
+        });
+    direct.chain(bearer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_own_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-private"),
+            ("keep-alive", "timeout=5"),
+            ("x-private", "1"),
+            ("host", "127.0.0.1:8787"),
+            ("transfer-encoding", "chunked"),
+            ("x-llm-retry", "off"),
+            ("x-llm-retry-policy", "patient"),
+            ("x-api-key", "sk-1"),
+            ("anthropic-version", "2023-06-01"),
+            ("content-length", "12"),
+        ] {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        let out = request_headers(h.clone(), false);
+        let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
+        let mut names = names;
+        names.sort_unstable();
+        assert_eq!(names, ["anthropic-version", "x-api-key"]);
+        let out = request_headers(h, true);
+        assert!(!out.contains_key("x-api-key"));
+    }
+
+    #[test]
+    fn tokens() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", HeaderValue::from_static("Bearer  tok-1 "));
+        assert_eq!(
+            presented_tokens(&h).collect::<Vec<_>>(),
+            [b"tok-1".as_slice()]
+        );
+        h.insert("x-api-key", HeaderValue::from_static("tok-2"));
+        assert_eq!(presented_tokens(&h).count(), 2);
+    }
+}

@@ -1,0 +1,291 @@
+//! Prometheus metrics, one registry per proxy (so several proxies in one process, as in the
+//! tests, never share counters), rendered at `/metrics`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tower_llm_retry::{GiveUpReason, RetryEvent, RetryObserver, RetryTrail};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Up {
+    upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Req {
+    upstream: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Class {
+    upstream: String,
+    class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    upstream: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Rejected {
+    reason: String,
+}
+
+fn latency() -> Histogram {
+    // 0.5 ms to ~65 s.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.0005, 2.0, 18,
+    ))
+}
+
+/// Every metric the proxy exports.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Req, Counter>,
+    attempts: Family<Up, Counter>,
+    retries: Family<Class, Counter>,
+    give_ups: Family<Reason, Counter>,
+    fallbacks: Family<Up, Counter>,
+    gate_closures: Family<Up, Counter>,
+    budget_refusals: Family<Up, Counter>,
+    client_retries: Family<Up, Counter>,
+    stream_aborts: Family<Reason, Counter>,
+    rejected: Family<Rejected, Counter>,
+    upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
+    overhead: Histogram,
+    in_flight: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Self {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("llm_retry_proxy"),
+            requests: Family::default(),
+            attempts: Family::default(),
+            retries: Family::default(),
+            give_ups: Family::default(),
+            fallbacks: Family::default(),
+            gate_closures: Family::default(),
+            budget_refusals: Family::default(),
+            client_retries: Family::default(),
+            stream_aborts: Family::default(),
+            rejected: Family::default(),
+            upstream_latency: Family::new_with_constructor(latency),
+            overhead: latency(),
+            in_flight: Gauge::default(),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "requests",
+            "Requests answered, by upstream and final status",
+            m.requests.clone(),
+        );
+        r.register("attempts", "Attempts sent upstream", m.attempts.clone());
+        r.register(
+            "retries",
+            "Retries, by the class of the failure retried",
+            m.retries.clone(),
+        );
+        r.register(
+            "give_ups",
+            "Requests the retry loop gave up on, by reason",
+            m.give_ups.clone(),
+        );
+        r.register(
+            "fallbacks",
+            "Responses served by a fallback model",
+            m.fallbacks.clone(),
+        );
+        r.register(
+            "gate_closures",
+            "Attempts answered 429/529 with Retry-After while the cooldown gate is on",
+            m.gate_closures.clone(),
+        );
+        r.register(
+            "budget_refusals",
+            "Retries the retry budget refused",
+            m.budget_refusals.clone(),
+        );
+        r.register(
+            "client_retries",
+            "Requests that were a client's own retry (x-stainless-retry-count > 0)",
+            m.client_retries.clone(),
+        );
+        r.register(
+            "stream_aborts",
+            "Responses cut after their head, by error kind",
+            m.stream_aborts.clone(),
+        );
+        r.register(
+            "rejected",
+            "Requests the proxy refused itself, by reason",
+            m.rejected.clone(),
+        );
+        r.register(
+            "upstream_latency_seconds",
+            "Time from sending an attempt to its response head",
+            m.upstream_latency.clone(),
+        );
+        r.register(
+            "overhead_seconds",
+            "Proxy time to the response head minus the upstream's, single-attempt requests",
+            m.overhead.clone(),
+        );
+        r.register("in_flight", "Requests being handled", m.in_flight.clone());
+        m
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    pub(crate) fn request(&self, upstream: &str, status: u16) {
+        self.requests
+            .get_or_create(&Req {
+                upstream: upstream.into(),
+                status,
+            })
+            .inc();
+    }
+
+    pub(crate) fn attempt(&self, upstream: &str, latency: Duration, closes_gate: bool) {
+        let up = Up {
+            upstream: upstream.into(),
+        };
+        self.attempts.get_or_create(&up).inc();
+        self.upstream_latency
+            .get_or_create(&up)
+            .observe(latency.as_secs_f64());
+        if closes_gate {
+            self.gate_closures.get_or_create(&up).inc();
+        }
+    }
+
+    pub(crate) fn fallback(&self, upstream: &str) {
+        self.fallbacks
+            .get_or_create(&Up {
+                upstream: upstream.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn client_retry(&self, upstream: &str) {
+        self.client_retries
+            .get_or_create(&Up {
+                upstream: upstream.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn client_retry_refused(&self, upstream: &str) {
+        self.budget_refusals
+            .get_or_create(&Up {
+                upstream: upstream.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn stream_abort(&self, upstream: &str, kind: &str) {
+        self.stream_aborts
+            .get_or_create(&Reason {
+                upstream: upstream.into(),
+                reason: kind.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn rejected(&self, reason: &str) {
+        self.rejected
+            .get_or_create(&Rejected {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn overhead(&self, d: Duration) {
+        self.overhead.observe(d.as_secs_f64());
+    }
+
+    pub(crate) fn in_flight(&self) -> &Gauge {
+        &self.in_flight
+    }
+}
+
+/// The library's retry events, counted for one upstream.
+#[derive(Debug, Clone)]
+pub struct Observer {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) upstream: String,
+}
+
+/// A stable name for a give-up reason.
+pub fn reason_name(r: GiveUpReason) -> &'static str {
+    match r {
+        GiveUpReason::NotRetryable => "not_retryable",
+        GiveUpReason::MaxRetries => "max_retries",
+        GiveUpReason::RetryAfterTooLong => "retry_after_too_long",
+        GiveUpReason::NotReplaySafe => "not_replay_safe",
+        GiveUpReason::MaxConsecutiveOverloads => "max_consecutive_overloads",
+        GiveUpReason::Budget => "budget",
+        GiveUpReason::Cancelled => "cancelled",
+        GiveUpReason::Deadline => "deadline",
+        GiveUpReason::PacingWaitTooLong => "pacing_wait_too_long",
+        _ => "other",
+    }
+}
+
+impl RetryObserver for Observer {
+    fn on_retry(&self, event: &RetryEvent<'_>) {
+        self.metrics
+            .retries
+            .get_or_create(&Class {
+                upstream: self.upstream.clone(),
+                class: event.class.as_str().into(),
+            })
+            .inc();
+    }
+
+    fn on_give_up(&self, trail: &RetryTrail) {
+        let reason = trail.gave_up().map_or("other", reason_name);
+        if trail.gave_up() == Some(GiveUpReason::Budget) {
+            self.metrics
+                .budget_refusals
+                .get_or_create(&Up {
+                    upstream: self.upstream.clone(),
+                })
+                .inc();
+        }
+        self.metrics
+            .give_ups
+            .get_or_create(&Reason {
+                upstream: self.upstream.clone(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+}

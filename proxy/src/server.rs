@@ -1,0 +1,566 @@
+//! The listener and the request handler: ops endpoints, routing, the client-token check, the
+//! concurrency cap, the body cap, the call through the tenant's stack, and the response
+//! headers that tell an SDK what happened.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower::ServiceExt;
+use tower_llm_retry::{BoxError, ErrorKind, GiveUpReason, ModelUsed, NoRetry, RetryTrail};
+
+use crate::body::ProxyBody;
+use crate::config::{load_keys, Config, ConfigError, Kind, Preset, Secret};
+use crate::envelope::{self, Reject, StreamStyle};
+use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
+use crate::metrics::{reason_name, Metrics};
+use crate::routes::Routes;
+use crate::stack::{StackFactory, TenantId, Tenants, UpstreamHead};
+
+/// Response header: how many attempts the proxy made upstream.
+pub const ATTEMPTS: &str = "x-llm-retry-attempts";
+/// Response header: the model that served the response (when a fallback chain is set).
+pub const MODEL: &str = "x-llm-retry-model";
+/// Response header: `true` when a fallback model served the response.
+pub const FALLBACK: &str = "x-llm-retry-fallback";
+/// Response header: why the proxy stopped retrying, when it gave up.
+pub const GAVE_UP: &str = "x-llm-retry-gave-up";
+
+/// How long a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A configured proxy, ready to serve.
+#[derive(Clone, Debug)]
+pub struct Proxy {
+    state: Arc<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    config: Config,
+    routes: Routes,
+    factories: Vec<StackFactory>,
+    tenants: Tenants,
+    metrics: Arc<Metrics>,
+    limit: Arc<Semaphore>,
+    client_token: Option<[u8; 32]>,
+    salt: [u8; 16],
+    draining: AtomicBool,
+}
+
+/// What the client asked of the retry loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The upstream's loop, or the preset the request named.
+    Retry,
+    /// `x-llm-retry: off`: sent once, the upstream's answer as it is.
+    Off,
+    /// The SDK is retrying the proxy (`x-stainless-retry-count` > 0): sent once.
+    ClientRetry,
+}
+
+impl Proxy {
+    /// Builds the proxy: loads the keys it holds and an HTTP client per upstream.
+    pub fn new(config: Config) -> Result<Proxy, ConfigError> {
+        config.validate()?;
+        let metrics = Arc::new(Metrics::new());
+        let mut factories = Vec::new();
+        for up in &config.upstream {
+            let keys = load_keys(up)?;
+            factories.push(StackFactory::new(
+                Arc::new(up.clone()),
+                keys,
+                metrics.clone(),
+                config.max_body_bytes,
+            )?);
+        }
+        let client_token = config
+            .resolved_client_token()?
+            .map(|t: Secret| Sha256::digest(t.expose().as_bytes()).into());
+        let salt: [u8; 16] = rand_salt();
+        Ok(Proxy {
+            state: Arc::new(State {
+                routes: Routes::new(&config.upstream),
+                tenants: Tenants::new(config.max_tenants),
+                limit: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+                factories,
+                metrics,
+                client_token,
+                salt,
+                draining: AtomicBool::new(false),
+                config,
+            }),
+        })
+    }
+
+    /// The proxy's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.state.metrics
+    }
+
+    /// How many (upstream, credential) stacks exist.
+    pub fn tenant_count(&self) -> usize {
+        self.state.tenants.len()
+    }
+
+    /// Handles one request.
+    pub async fn handle<B>(&self, req: Request<B>) -> Response<ProxyBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        self.state.clone().handle(req).await
+    }
+
+    /// Serves on `listener` until `shutdown` completes, then stops accepting, lets requests
+    /// and streams in flight finish for up to the drain deadline, and cuts what is left.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> io::Result<()> {
+        let graceful = GracefulShutdown::new();
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        // A client that does not finish sending its headers in time is dropped, so idle
+        // connections cannot pile up.
+        builder
+            .http1()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
+        let mut conns = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            let (tcp, _) = tokio::select! {
+                res = listener.accept() => match res {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // Out of descriptors and the like: back off a moment, keep serving.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            let _ = tcp.set_nodelay(true);
+            let state = self.state.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(state.handle(req).await) }
+            });
+            let conn = builder
+                .serve_connection(TokioIo::new(tcp), svc)
+                .into_owned();
+            let conn = graceful.watch(conn);
+            conns.spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+            });
+            // Reap finished connections so the set does not grow.
+            while conns.try_join_next().is_some() {}
+        }
+        drop(listener);
+        self.state.draining.store(true, Ordering::SeqCst);
+        let deadline = self.state.config.drain_timeout();
+        tracing::info!(?deadline, "shutting down: draining requests in flight");
+        tokio::select! {
+            () = graceful.shutdown() => tracing::info!("drained"),
+            () = tokio::time::sleep(deadline) => {
+                tracing::warn!(open = conns.len(), "drain deadline reached: cutting what is left");
+            }
+        }
+        conns.shutdown().await;
+        Ok(())
+    }
+}
+
+fn rand_salt() -> [u8; 16] {
+    // The salt only has to differ between processes; the std hasher's random keys do.
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = [0u8; 16];
+    for chunk in out.chunks_mut(8) {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(std::process::id() as u64);
+        chunk.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    out
+}
+
+fn text(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<ProxyBody> {
+    let mut res = Response::new(ProxyBody::full(body));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    res
+}
+
+impl State {
+    fn reject(&self, kind: Kind, reject: Reject, message: &str) -> Response<ProxyBody> {
+        self.metrics.rejected(reject.as_str());
+        envelope::response(kind, reject, message)
+    }
+
+    async fn handle<B>(self: Arc<Self>, req: Request<B>) -> Response<ProxyBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let start = Instant::now();
+        match (req.method(), req.uri().path()) {
+            (&Method::GET, "/livez") => return text(StatusCode::OK, "text/plain", "ok\n"),
+            (&Method::GET, "/readyz") => {
+                return if self.draining.load(Ordering::SeqCst) {
+                    text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "draining\n")
+                } else {
+                    text(StatusCode::OK, "text/plain", "ready\n")
+                }
+            }
+            (&Method::GET, "/metrics") => {
+                return text(
+                    StatusCode::OK,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    self.metrics.render(),
+                )
+            }
+            _ => {}
+        }
+        let Some(route) = self.routes.resolve(req.uri(), req.headers()) else {
+            let kind = self.routes.guess_kind(req.uri(), req.headers());
+            let path: String = req.uri().path().chars().take(200).collect();
+            return self.reject(
+                kind,
+                Reject::NotFound,
+                &format!("no upstream serves {} {path}", req.method()),
+            );
+        };
+        let factory = &self.factories[route.upstream];
+        let up = factory.upstream().clone();
+        let kind = up.kind;
+
+        let Ok(permit) = self.limit.clone().try_acquire_owned() else {
+            return self.reject(
+                kind,
+                Reject::Busy,
+                "the proxy is handling as many requests as it is allowed to; retry shortly",
+            );
+        };
+        self.metrics.in_flight().inc();
+        let _in_flight = InFlight(&self.metrics);
+
+        let (mode, preset) = match retry_headers(req.headers()) {
+            Ok(x) => x,
+            Err(msg) => return self.reject(kind, Reject::BadHeader, &msg),
+        };
+
+        let tenant = if factory.holds_keys() {
+            if !self.token_ok(req.headers()) {
+                return self.reject(
+                    kind,
+                    Reject::Unauthorized,
+                    "this proxy holds the upstream keys and requires its client token \
+                     (as x-api-key, authorization: Bearer, or x-llm-retry-token)",
+                );
+            }
+            TenantId::PROXY
+        } else {
+            let h = req.headers();
+            let get = |n: &str| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
+            TenantId::of(&self.salt, &[get("x-api-key"), get("authorization")])
+        };
+
+        let cap = self.config.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()));
+        match declared {
+            Some(None) => {
+                return self.reject(kind, Reject::BadHeader, "content-length is not a number")
+            }
+            Some(Some(n)) if n > cap as u64 => {
+                return self.reject(
+                    kind,
+                    Reject::BodyTooLarge,
+                    &format!("request body of {n} bytes is over this proxy's limit of {cap}"),
+                )
+            }
+            _ => {}
+        }
+        let (parts, body) = req.into_parts();
+        let body = match Limited::new(body, cap).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                return if e
+                    .downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some()
+                {
+                    self.reject(
+                        kind,
+                        Reject::BodyTooLarge,
+                        &format!("request body is over this proxy's limit of {cap} bytes"),
+                    )
+                } else {
+                    self.reject(kind, Reject::BodyRead, "the request body could not be read")
+                };
+            }
+        };
+
+        let base = up.url.trim_end_matches('/');
+        let uri = match format!("{base}{}", route.path_and_query).parse::<http::Uri>() {
+            Ok(u) => u,
+            Err(_) => {
+                return self.reject(kind, Reject::BadHeader, "the request target is not valid")
+            }
+        };
+        let mut upstream_req = Request::new(Full::new(body));
+        *upstream_req.method_mut() = parts.method.clone();
+        *upstream_req.uri_mut() = uri;
+        *upstream_req.headers_mut() = forward::request_headers(parts.headers, factory.holds_keys());
+        match mode {
+            Mode::Retry => {}
+            Mode::Off => {
+                upstream_req.extensions_mut().insert(NoRetry);
+            }
+            Mode::ClientRetry => {
+                self.metrics.client_retry(&up.name);
+                upstream_req.extensions_mut().insert(NoRetry);
+            }
+        }
+        if let Some(p) = preset {
+            upstream_req
+                .extensions_mut()
+                .insert(up.apply_timeouts(p.policy()));
+        }
+
+        let tenant = match self.tenants.get(route.upstream, tenant, factory) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(error = %e, upstream = %up.name, "cannot build the stack");
+                return self.reject(
+                    kind,
+                    Reject::Upstream,
+                    "the proxy cannot reach this upstream",
+                );
+            }
+        };
+        // An SDK's retry of the proxy is a retry: it draws on the tenant's client budget,
+        // which the other requests pay into, instead of starting a loop of its own.
+        if let Some(budget) = &tenant.client_budget {
+            use tower::retry::budget::Budget;
+            if mode == Mode::ClientRetry {
+                if !budget.withdraw() {
+                    self.metrics.client_retry_refused(&up.name);
+                    let mut res = self.reject(
+                        kind,
+                        Reject::Budget,
+                        "the retry budget is spent: this client retry is not sent",
+                    );
+                    res.headers_mut()
+                        .insert("x-should-retry", HeaderValue::from_static("false"));
+                    res.headers_mut().insert(ATTEMPTS, HeaderValue::from(0u32));
+                    return res;
+                }
+            } else {
+                budget.deposit();
+            }
+        }
+        let stack = tenant.stack;
+        let path = route
+            .path_and_query
+            .split('?')
+            .next()
+            .unwrap_or("")
+            .to_owned();
+        let method = parts.method;
+        match stack.oneshot(upstream_req).await {
+            Ok(res) => {
+                let (mut head, body) = res.into_parts();
+                let trail = head.extensions.get::<RetryTrail>();
+                let attempts = trail.map_or(1, |t| t.total_attempts().max(1));
+                let gave_up = trail.and_then(RetryTrail::gave_up);
+                forward::strip_hop_by_hop(&mut head.headers);
+                decorate(&mut head.headers, attempts, gave_up, mode);
+                if let Some(used) = head.extensions.get::<ModelUsed>() {
+                    if let Ok(v) = HeaderValue::from_str(&used.model) {
+                        head.headers.insert(MODEL, v);
+                    }
+                    head.headers.insert(
+                        FALLBACK,
+                        HeaderValue::from_static(if used.is_fallback() { "true" } else { "false" }),
+                    );
+                    if used.is_fallback() {
+                        self.metrics.fallback(&up.name);
+                    }
+                }
+                if attempts == 1 {
+                    if let Some(UpstreamHead(d)) = head.extensions.get::<UpstreamHead>() {
+                        self.metrics.overhead(start.elapsed().saturating_sub(*d));
+                    }
+                }
+                self.metrics.request(&up.name, head.status.as_u16());
+                tracing::info!(
+                    method = %method,
+                    upstream = %up.name,
+                    path = %path,
+                    status = head.status.as_u16(),
+                    attempts,
+                    ms = start.elapsed().as_millis() as u64,
+                    "request"
+                );
+                let sse = head
+                    .headers
+                    .get(CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+                let style = sse.then(|| StreamStyle::for_route(kind, &path));
+                if sse {
+                    // The stream may end with an error event of the proxy's: its length is
+                    // not the upstream's to state.
+                    head.headers.remove(CONTENT_LENGTH);
+                }
+                let metrics = self.metrics.clone();
+                let name = up.name.clone();
+                let on_abort: crate::body::OnAbort =
+                    Box::new(move |k| metrics.stream_abort(&name, k));
+                Response::from_parts(
+                    head,
+                    ProxyBody::upstream(body, style, Some(permit), Some(on_abort)),
+                )
+            }
+            Err(e) => {
+                let lib = e.downcast_ref::<tower_llm_retry::Error>();
+                let err_kind = lib.map(|e| e.kind());
+                let attempts = lib
+                    .and_then(|e| e.trail())
+                    .map_or(1, |t| t.total_attempts().max(1));
+                let (reject, retried) = match err_kind {
+                    Some(ErrorKind::BodyTooLarge) => (Reject::BodyTooLarge, false),
+                    Some(ErrorKind::BodyRead) => (Reject::BodyRead, false),
+                    Some(ErrorKind::BudgetExhausted) => (Reject::Budget, true),
+                    Some(ErrorKind::DeadlineExceeded | ErrorKind::PacingWaitTooLong) => {
+                        (Reject::Deadline, true)
+                    }
+                    Some(ErrorKind::TokenRefresh) => (Reject::Credential, false),
+                    Some(ErrorKind::Exhausted) => (Reject::Upstream, true),
+                    _ => (Reject::Upstream, false),
+                };
+                let what = err_kind.map_or("upstream_error", |k| k.as_str());
+                tracing::warn!(
+                    method = %method,
+                    upstream = %up.name,
+                    path = %path,
+                    error.type = what,
+                    error = %e,
+                    attempts,
+                    "request failed"
+                );
+                self.metrics.request(&up.name, reject.status().as_u16());
+                let mut res = self.reject(
+                    kind,
+                    reject,
+                    &format!(
+                        "upstream {:?} failed after {attempts} attempt(s): {what}",
+                        up.name
+                    ),
+                );
+                let h = res.headers_mut();
+                h.insert(ATTEMPTS, HeaderValue::from(attempts));
+                if mode != Mode::Off && (retried || mode == Mode::ClientRetry) {
+                    h.insert("x-should-retry", HeaderValue::from_static("false"));
+                }
+                res
+            }
+        }
+    }
+
+    fn token_ok(&self, headers: &HeaderMap) -> bool {
+        let Some(expected) = &self.client_token else {
+            return false;
+        };
+        let mut ok = subtle::Choice::from(0);
+        for presented in forward::presented_tokens(headers) {
+            let digest: [u8; 32] = Sha256::digest(presented).into();
+            ok |= digest.ct_eq(expected);
+        }
+        ok.into()
+    }
+}
+
+struct InFlight<'a>(&'a Metrics);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight().dec();
+    }
+}
+
+/// The retry switch and preset a request asks for.
+fn retry_headers(headers: &HeaderMap) -> Result<(Mode, Option<Preset>), String> {
+    let mut mode = match headers.get(RETRY_SWITCH).map(|v| v.to_str()) {
+        None => Mode::Retry,
+        Some(Ok(v)) if v.trim().eq_ignore_ascii_case("off") => Mode::Off,
+        Some(Ok(v)) if v.trim().eq_ignore_ascii_case("on") => Mode::Retry,
+        Some(_) => return Err(format!("{RETRY_SWITCH} must be \"on\" or \"off\"")),
+    };
+    let preset = match headers.get(RETRY_POLICY).map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(v)) => Some(Preset::from_name(v).ok_or_else(|| {
+            format!(
+                "{RETRY_POLICY} must be one of default, sdk_compatible, patient, interactive, never"
+            )
+        })?),
+        Some(Err(_)) => return Err(format!("{RETRY_POLICY} is not valid text")),
+    };
+    let client_retrying = headers
+        .get(SDK_RETRY_COUNT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .is_some_and(|n| n > 0);
+    if mode == Mode::Retry && client_retrying {
+        mode = Mode::ClientRetry;
+    }
+    Ok((mode, preset))
+}
+
+/// Adds the attempt count and, when the proxy retried and gave up, `x-should-retry: false`,
+/// so an SDK that retries by itself does not multiply the attempts. A response the proxy
+/// chose not to retry keeps the upstream's own hint.
+fn decorate(headers: &mut HeaderMap, attempts: u32, gave_up: Option<GiveUpReason>, mode: Mode) {
+    headers.insert(ATTEMPTS, HeaderValue::from(attempts));
+    let Some(reason) = gave_up else {
+        return;
+    };
+    headers.insert(GAVE_UP, HeaderValue::from_static(reason_name(reason)));
+    let exhausted = matches!(
+        reason,
+        GiveUpReason::MaxRetries
+            | GiveUpReason::MaxConsecutiveOverloads
+            | GiveUpReason::Budget
+            | GiveUpReason::Deadline
+            | GiveUpReason::PacingWaitTooLong
+    );
+    if exhausted && mode != Mode::Off {
+        headers.insert("x-should-retry", HeaderValue::from_static("false"));
+    }
+}

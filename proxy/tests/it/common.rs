@@ -1,0 +1,165 @@
+//! The harness: the mock, the proxy in front of it, and a plain hyper-util client.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tower_llm_retry::mock::{MockServer, Script, SseFrame};
+use tower_llm_retry_proxy::{Config, Kind, Proxy, Upstream};
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+pub const MESSAGES: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[{"role":"user","content":"Hello, world"}]}"#;
+pub const MESSAGES_STREAM: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"stream":true,"messages":[{"role":"user","content":"Hello, world"}]}"#;
+pub const CHAT_STREAM: &str =
+    r#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"Hello"}]}"#;
+
+pub fn client() -> HttpClient {
+    let mut tcp = HttpConnector::new();
+    tcp.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build(tcp)
+}
+
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+pub fn concat(events: &[SseFrame]) -> Bytes {
+    let mut out = Vec::new();
+    for e in events {
+        out.extend_from_slice(&e.bytes());
+    }
+    Bytes::from(out)
+}
+
+/// The mock, a proxy in front of it, and a client.
+pub struct Harness {
+    pub mock: MockServer,
+    pub proxy: Proxy,
+    pub addr: SocketAddr,
+    pub client: HttpClient,
+    stop: Option<oneshot::Sender<()>>,
+    pub server: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+/// A configuration with an Anthropic and an OpenAI upstream, both at `mock`.
+pub fn config_for(mock: &MockServer) -> Config {
+    let url = mock.url("");
+    let url = url.trim_end_matches('/');
+    Config {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        upstream: vec![
+            Upstream::new("anthropic", Kind::Anthropic, url),
+            Upstream::new("openai", Kind::OpenAi, url),
+        ],
+        ..Config::default()
+    }
+}
+
+pub async fn start(script: Script) -> Harness {
+    start_with(script, |_| {}).await
+}
+
+pub async fn start_with(script: Script, tweak: impl FnOnce(&mut Config)) -> Harness {
+    let mock = MockServer::start(script).await.unwrap();
+    let mut config = config_for(&mock);
+    tweak(&mut config);
+    serve(mock, config).await
+}
+
+pub async fn serve(mock: MockServer, config: Config) -> Harness {
+    let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = Proxy::new(config).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(proxy.clone().serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    Harness {
+        mock,
+        proxy,
+        addr,
+        client: client(),
+        stop: Some(stop),
+        server: Some(server),
+    }
+}
+
+impl Harness {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn post(&self, path: &str, body: &'static str) -> http::request::Builder {
+        let _ = body;
+        Request::post(self.url(path))
+            .header("content-type", "application/json")
+            .header("anthropic-version", "2023-06-01")
+            .header("x-api-key", "sk-client")
+    }
+
+    pub async fn send(&self, req: Request<Full<Bytes>>) -> Response<Incoming> {
+        self.client.request(req).await.unwrap()
+    }
+
+    pub async fn messages(&self, body: &'static str) -> Response<Incoming> {
+        let req = self
+            .post("/v1/messages", body)
+            .body(Full::from(body))
+            .unwrap();
+        self.send(req).await
+    }
+
+    /// Stops accepting and starts the drain.
+    pub fn shutdown(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Every frame of a body with the instant it arrived, and how the body ended.
+pub async fn frames(res: Response<Incoming>) -> (Vec<(Instant, Bytes)>, Result<(), hyper::Error>) {
+    let mut body = res.into_body();
+    let mut out = Vec::new();
+    loop {
+        match body.frame().await {
+            None => return (out, Ok(())),
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    out.push((Instant::now(), d));
+                }
+            }
+            Some(Err(e)) => return (out, Err(e)),
+        }
+    }
+}
+
+pub fn joined(frames: &[(Instant, Bytes)]) -> Bytes {
+    let mut out = Vec::new();
+    for (_, b) in frames {
+        out.extend_from_slice(b);
+    }
+    Bytes::from(out)
+}
+
+pub async fn json(res: Response<Incoming>) -> serde_json::Value {
+    let b = res.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&b).unwrap_or_else(|e| panic!("not JSON ({e}): {b:?}"))
+}
+
+pub fn header<'a, B>(res: &'a Response<B>, name: &str) -> Option<&'a str> {
+    res.headers().get(name).and_then(|v| v.to_str().ok())
+}

@@ -1,0 +1,12 @@
+//! The proxy end to end: a client, the proxy's `serve` on 127.0.0.1, and the crate's mock as
+//! the upstream, all on one current-thread runtime with paused time.
+
+mod common;
+
+mod bad_input;
+mod forwarding;
+mod ops;
+mod retries;
+mod secrets;
+mod streams;
+mod tenants;

@@ -1,0 +1,123 @@
+//! No credential in logs, metrics, errors or the printed configuration.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use tower_llm_retry::mock::{sse, Reply, Script};
+use tower_llm_retry_proxy::config::Secret;
+
+use crate::common::*;
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_credential_is_ever_logged_even_at_trace() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    // One thread runs the client, the proxy and the mock: all of it is captured.
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let keys = std::env::temp_dir().join(format!("llm-retry-proxy-secret-{}", std::process::id()));
+    std::fs::write(&keys, "sk-HELD-SECRET-1\nsk-HELD-SECRET-2\n").unwrap();
+    let k = keys.clone();
+    let mut partial = sse::anthropic_message(&["x"]);
+    partial.truncate(3);
+    let script = Script::new()
+        .then(Reply::unauthorized())
+        .then(Reply::rate_limited("1"))
+        .then(Reply::overloaded())
+        .then(Reply::sse_then_reset(partial))
+        .otherwise(Reply::success());
+    let h = start_with(script, move |c| {
+        c.client_token = Some(Secret::new("TOKEN-SECRET"));
+        c.upstream[0].keys_file = Some(k);
+    })
+    .await;
+    for token in ["TOKEN-SECRET", "TOKEN-SECRET", "WRONG-SECRET"] {
+        let req = Request::post(h.url("/v1/messages"))
+            .header("x-api-key", token)
+            .body(Full::from(MESSAGES_STREAM))
+            .unwrap();
+        let res = h.send(req).await;
+        let _ = res.into_body().collect().await;
+    }
+    // Pass-through keys on the OpenAI upstream, through a failing upstream too.
+    let req = Request::post(h.url("/v1/chat/completions"))
+        .header("authorization", "Bearer sk-PASS-SECRET")
+        .body(Full::from(CHAT_STREAM))
+        .unwrap();
+    let _ = h.send(req).await.into_body().collect().await;
+
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(text.contains("request"), "nothing was captured");
+    assert!(
+        !text.contains("SECRET"),
+        "a credential reached the logs:\n{text}"
+    );
+    assert!(!h.proxy.metrics().render().contains("SECRET"));
+    let _ = std::fs::remove_file(&keys);
+}
+
+#[test]
+fn check_config_prints_the_resolved_config_masked() {
+    let dir = std::env::temp_dir().join(format!("llm-retry-proxy-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(
+        &good,
+        "client_token = \"tok-SECRET\"\n[[upstream]]\nname = \"anthropic\"\nkeys_env = \"SOME_KEYS\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
+        .args(["--check-config", "--config"])
+        .arg(&good)
+        .env("LLM_RETRY_PROXY_UPSTREAM_ANTHROPIC_MAX_RETRIES", "4")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("client_token = \"***\""), "{stdout}");
+    assert!(stdout.contains("max_retries = 4"), "{stdout}");
+    assert!(stdout.contains("listen = \"127.0.0.1:8787\""), "{stdout}");
+    assert!(!stdout.contains("SECRET"));
+
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[upstream]]\nname = \"a\"\nurl = \"http://x\"\nretries = 3\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
+        .args(["--check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("retries"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

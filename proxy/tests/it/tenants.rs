@@ -1,0 +1,139 @@
+//! Tenants: fleet state per (upstream, credential), and the client token of a proxy that
+//! holds the keys.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+use http_body_util::Full;
+use tower_llm_retry::mock::{Reply, Script};
+use tower_llm_retry_proxy::config::Secret;
+
+use crate::common::*;
+
+fn from(key: &'static str, h: &Harness) -> Request<Full<bytes::Bytes>> {
+    Request::post(h.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01")
+        .header("x-api-key", key)
+        .body(Full::from(MESSAGES))
+        .unwrap()
+}
+
+async fn until_requests(h: &Harness, n: usize) {
+    while h.mock.request_count() < n {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_tenants_rate_limit_and_gate_do_not_delay_another() {
+    let limited = Arc::new(AtomicBool::new(false));
+    let script = Script::new().when(move |req| {
+        let a = req.headers.get("x-api-key").is_some_and(|k| k == "sk-A");
+        (a && !limited.swap(true, Ordering::SeqCst)).then(|| Reply::rate_limited("30"))
+    });
+    let h = Arc::new(start(script).await);
+    let a1 = tokio::spawn({
+        let h = h.clone();
+        async move { h.send(from("sk-A", &h)).await.status() }
+    });
+    until_requests(&h, 1).await;
+    // A's gate is closed for 30 s: B goes through at once.
+    let res = h.send(from("sk-B", &h)).await;
+    assert_eq!(res.status(), 200);
+    let seen = h.mock.requests();
+    assert_eq!(seen[1].headers["x-api-key"], "sk-B");
+    assert!(seen[1].received_at - seen[0].received_at < Duration::from_millis(50));
+    // A's second request waits at A's gate.
+    let res = h.send(from("sk-A", &h)).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(a1.await.unwrap(), 200);
+    let seen = h.mock.requests();
+    assert_eq!(seen.len(), 4);
+    let a_times: Vec<_> = seen
+        .iter()
+        .filter(|r| r.headers["x-api-key"] == "sk-A")
+        .map(|r| r.received_at - seen[0].received_at)
+        .collect();
+    assert_eq!(a_times.len(), 3);
+    assert!(
+        a_times[1..].iter().all(|t| *t >= Duration::from_secs(30)),
+        "{a_times:?}"
+    );
+    assert_eq!(h.proxy.tenant_count(), 2);
+    let m = h.proxy.metrics().render();
+    assert!(
+        m.contains("llm_retry_proxy_gate_closures_total{upstream=\"anthropic\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn tenants_are_kept_in_a_bounded_map() {
+    let h = start_with(Script::always(Reply::success()), |c| c.max_tenants = 2).await;
+    for key in ["sk-1", "sk-2", "sk-3", "sk-1"] {
+        assert_eq!(h.send(from(key, &h)).await.status(), 200);
+    }
+    assert_eq!(h.proxy.tenant_count(), 2);
+}
+
+fn keys_file(name: &str, keys: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("llm-retry-proxy-{name}-{}", std::process::id()));
+    std::fs::write(&p, keys).unwrap();
+    p
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_holding_keys_requires_its_client_token() {
+    let file = keys_file("token", "sk-held-1\n");
+    let f = file.clone();
+    let h = start_with(Script::always(Reply::success()), move |c| {
+        c.client_token = Some(Secret::new("the-token"));
+        c.upstream[0].keys_file = Some(f.clone());
+        c.upstream[1].keys_file = Some(f);
+    })
+    .await;
+    // Nothing, a wrong token, an upstream key: 401 in the route's envelope, nothing sent.
+    let none = Request::post(h.url("/v1/messages"))
+        .body(Full::from(MESSAGES))
+        .unwrap();
+    let res = h.send(none).await;
+    assert_eq!(res.status(), 401);
+    assert_eq!(header(&res, "x-should-retry"), Some("false"));
+    let body = json(res).await;
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "authentication_error");
+    for key in ["wrong", "the-toke", "the-token-", "sk-held-1"] {
+        assert_eq!(h.send(from(key, &h)).await.status(), 401, "{key}");
+    }
+    let chat = Request::post(h.url("/v1/chat/completions"))
+        .header("authorization", "Bearer nope")
+        .body(Full::from(CHAT_STREAM))
+        .unwrap();
+    let res = h.send(chat).await;
+    assert_eq!(res.status(), 401);
+    assert_eq!(json(res).await["error"]["type"], "authentication_error");
+    assert_eq!(h.mock.request_count(), 0);
+
+    // The token: forwarded with the held key, the token itself never sent.
+    assert_eq!(h.send(from("the-token", &h)).await.status(), 200);
+    let chat = Request::post(h.url("/v1/chat/completions"))
+        .header("authorization", "Bearer the-token")
+        .body(Full::from(r#"{"model":"gpt-4o","messages":[]}"#))
+        .unwrap();
+    assert_eq!(h.send(chat).await.status(), 200);
+    let seen = h.mock.requests();
+    assert_eq!(seen[0].headers["x-api-key"], "sk-held-1");
+    assert_eq!(seen[1].headers["authorization"], "Bearer sk-held-1");
+    for r in &seen {
+        for (_, v) in r.headers.iter() {
+            assert!(!v.as_bytes().windows(9).any(|w| w == b"the-token"));
+        }
+    }
+    // Metrics and the masked config never show a key or the token.
+    let m = h.proxy.metrics().render();
+    assert!(!m.contains("sk-held") && !m.contains("the-token"));
+    let _ = std::fs::remove_file(&file);
+}
