@@ -15,6 +15,14 @@ pub const X_SHOULD_RETRY: &str = "x-should-retry";
 /// NaN, infinite, negative, overflowing or unparseable values count as absent, and so does an
 /// HTTP-date in the past. When a header appears more than once, its first value is used.
 pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    parse_retry_after_with(headers, || now)
+}
+
+/// [`parse_retry_after`], with "now" asked for only when the value is an HTTP-date.
+pub(crate) fn parse_retry_after_with(
+    headers: &HeaderMap,
+    now: impl FnOnce() -> SystemTime,
+) -> Option<Duration> {
     if let Some(ms) = headers.get(RETRY_AFTER_MS).and_then(|v| v.to_str().ok()) {
         if let Some(d) = parse_seconds(ms).and_then(|ms| duration_from_secs(ms / 1000.0)) {
             return Some(d);
@@ -27,7 +35,7 @@ pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duratio
         return duration_from_secs(secs);
     }
     let when = httpdate::parse_http_date(value.trim()).ok()?;
-    when.duration_since(now).ok()
+    when.duration_since(now()).ok()
 }
 
 /// Reads `x-should-retry`: `Some(true)` for `true`, `Some(false)` for `false`, `None` for

@@ -38,7 +38,9 @@
 //!
 //! Every non-2xx verdict carries the wait the server asked for, read by
 //! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
-//! (fractional) seconds, then `retry-after` as an HTTP-date. NaN, infinite, negative,
+//! (fractional) seconds, then `retry-after` as an HTTP-date, read against the response's own
+//! `Date` when it has one (so the host's clock skew does not change the wait; the system
+//! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative,
 //! overflowing and unparseable values count as absent, and so does a date in the past; a
 //! header sent twice counts with its first value. A `Retry-After` applies only to the sleep
 //! right after the response that carried it; the policy clamps it and decides what a wait above
@@ -337,11 +339,18 @@ impl DefaultClassifier {
         }
     }
 
-    fn now(&self) -> SystemTime {
-        match &self.clock {
-            Some(clock) => clock(),
-            None => SystemTime::now(),
+    /// "Now" for an HTTP-date `Retry-After` of this response: the injected clock when there
+    /// is one; else the response's own `Date`, so that the wait is the server's (the host's
+    /// clock skew does not stretch or cut it); else the system clock.
+    fn now(&self, headers: &http::HeaderMap) -> SystemTime {
+        if let Some(clock) = &self.clock {
+            return clock();
         }
+        headers
+            .get(http::header::DATE)
+            .and_then(|d| d.to_str().ok())
+            .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+            .unwrap_or_else(SystemTime::now)
     }
 }
 
@@ -369,7 +378,8 @@ impl Classify for DefaultClassifier {
         if status.is_success() {
             return Classification::success();
         }
-        let retry_after = headers::parse_retry_after(&head.headers, self.now());
+        // `now` is read only for an HTTP-date: the usual seconds cost no clock or `Date` parse.
+        let retry_after = headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
         let signal = body.map_or(BodySignal::Other, body_signal);
         let class = match FailureClass::from_status(status) {
             Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
@@ -605,6 +615,62 @@ mod tests {
             None,
         );
         assert_eq!(c.retry_after(), Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn http_date_is_read_against_the_response_date() {
+        // The server's clock says 00:00:00 and asks for 00:00:05: five seconds, whatever the
+        // host's clock says (here it is months later, which would make the date "past").
+        let c = classify(
+            429,
+            &[
+                ("date", "Thu, 01 Jan 2026 00:00:00 GMT"),
+                ("retry-after", "Thu, 01 Jan 2026 00:00:05 GMT"),
+            ],
+            "",
+        );
+        assert_eq!(c.retry_after(), Some(Duration::from_secs(5)));
+        // A date before the server's own now is no wait.
+        let c = classify(
+            429,
+            &[
+                ("date", "Thu, 01 Jan 2026 00:00:09 GMT"),
+                ("retry-after", "Thu, 01 Jan 2026 00:00:05 GMT"),
+            ],
+            "",
+        );
+        assert_eq!(c.retry_after(), None);
+        // An injected clock still wins over the `Date`.
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600 + 2);
+        let c = DefaultClassifier::with_clock(move || now).classify_response(
+            &head(
+                429,
+                &[
+                    ("date", "Thu, 01 Jan 2026 00:00:00 GMT"),
+                    ("retry-after", "Thu, 01 Jan 2026 00:00:05 GMT"),
+                ],
+            ),
+            None,
+        );
+        assert_eq!(c.retry_after(), Some(Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn garbage_date_falls_back_to_the_system_clock() {
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3600));
+        let c = classify(
+            429,
+            &[("date", "yesterday, roughly"), ("retry-after", later.as_str())],
+            "",
+        );
+        let wait = c.retry_after().expect("a date an hour ahead of the system clock");
+        assert!(
+            wait > Duration::from_secs(3590) && wait <= Duration::from_secs(3600),
+            "{wait:?}"
+        );
+        // Seconds never read the `Date` at all.
+        let c = classify(429, &[("date", "garbage"), ("retry-after", "7")], "");
+        assert_eq!(c.retry_after(), Some(Duration::from_secs(7)));
     }
 
     #[test]

@@ -150,6 +150,25 @@ async fn retry_after_in_every_form() {
     }
 }
 
+/// An HTTP-date is read against the response's `Date`: the wait is the server's, whatever the
+/// host's clock says (here the dates are months before it, so the system clock would call
+/// them past and fall back to the backoff).
+#[tokio::test(start_paused = true)]
+async fn http_date_retry_after_is_read_against_the_servers_date() {
+    let reply = Reply::rate_limited("Thu, 01 Jan 2026 00:00:07 GMT")
+        .header("date", "Thu, 01 Jan 2026 00:00:03 GMT");
+    assert_eq!(
+        delay_for(reply, DefaultClassifier::new()).await,
+        vec![Duration::from_secs(4)]
+    );
+    // A `Date` that does not parse leaves the system clock, for which this date is past.
+    let reply = Reply::rate_limited("Thu, 01 Jan 2026 00:00:07 GMT").header("date", "now-ish");
+    assert_eq!(
+        delay_for(reply, DefaultClassifier::new()).await,
+        vec![Duration::from_millis(500)]
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_applies_only_to_the_next_sleep() {
     let recorder = Recorder::default();
