@@ -32,18 +32,23 @@ pub struct ReplayBody {
     kind: Kind,
 }
 
+// Small on purpose: every request of the stack, and every future of the client below it,
+// holds one and moves it. Trailers and the streaming body (both rare) are boxed, so a
+// `ReplayBody` is no larger than its `Bytes` and a pointer.
 enum Kind {
     Buffered {
         data: Option<Bytes>,
-        trailers: Option<HeaderMap>,
+        trailers: Option<Box<HeaderMap>>,
     },
-    Streaming {
-        // Wrapped so the body stays `Sync` (reqwest and others ask for it) even though the
-        // caller's body need not be; `size_hint` is kept aside because the wrapper only allows
-        // access through `&mut`.
-        body: SyncWrapper<UnsyncBoxBody<Bytes, BoxError>>,
-        hint: SizeHint,
-    },
+    Streaming(Box<Streamed>),
+}
+
+struct Streamed {
+    // Wrapped so the body stays `Sync` (reqwest and others ask for it) even though the
+    // caller's body need not be; `size_hint` is kept aside because the wrapper only allows
+    // access through `&mut`.
+    body: SyncWrapper<UnsyncBoxBody<Bytes, BoxError>>,
+    hint: SizeHint,
 }
 
 impl ReplayBody {
@@ -61,6 +66,15 @@ impl ReplayBody {
         ReplayBody {
             kind: Kind::Buffered {
                 data: Some(data),
+                trailers: trailers.map(Box::new),
+            },
+        }
+    }
+
+    fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
+        ReplayBody {
+            kind: Kind::Buffered {
+                data: Some(data),
                 trailers,
             },
         }
@@ -75,10 +89,10 @@ impl ReplayBody {
         use http_body_util::BodyExt;
         let hint = body.size_hint();
         ReplayBody {
-            kind: Kind::Streaming {
+            kind: Kind::Streaming(Box::new(Streamed {
                 body: SyncWrapper::new(body.map_err(Into::into).boxed_unsync()),
                 hint,
-            },
+            })),
         }
     }
 
@@ -88,7 +102,7 @@ impl ReplayBody {
     pub fn as_bytes(&self) -> Option<&Bytes> {
         match &self.kind {
             Kind::Buffered { data, .. } => data.as_ref(),
-            Kind::Streaming { .. } => None,
+            Kind::Streaming(_) => None,
         }
     }
 
@@ -104,7 +118,7 @@ impl ReplayBody {
             Kind::Buffered {
                 data: Some(_),
                 trailers,
-            } => Some(Self::buffered(data, trailers.clone())),
+            } => Some(Self::with_trailers(data, trailers.clone())),
             _ => None,
         }
     }
@@ -116,7 +130,7 @@ impl ReplayBody {
             Kind::Buffered {
                 data: Some(data),
                 trailers,
-            } => Some(Self::buffered(data.clone(), trailers.clone())),
+            } => Some(Self::with_trailers(data.clone(), trailers.clone())),
             _ => None,
         }
     }
@@ -161,10 +175,10 @@ impl fmt::Debug for ReplayBody {
                 .field("len", &data.as_ref().map(Bytes::len))
                 .field("trailers", &trailers.is_some())
                 .finish(),
-            Kind::Streaming { hint, .. } => f
+            Kind::Streaming(streamed) => f
                 .debug_struct("ReplayBody")
                 .field("streaming", &true)
-                .field("size_hint", hint)
+                .field("size_hint", &streamed.hint)
                 .finish(),
         }
     }
@@ -185,9 +199,9 @@ impl Body for ReplayBody {
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
                 }
-                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t))))
             }
-            Kind::Streaming { body, .. } => Pin::new(body.get_mut()).poll_frame(cx),
+            Kind::Streaming(streamed) => Pin::new(streamed.body.get_mut()).poll_frame(cx),
         }
     }
 
@@ -196,7 +210,7 @@ impl Body for ReplayBody {
             Kind::Buffered { data, trailers } => {
                 data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none()
             }
-            Kind::Streaming { .. } => false,
+            Kind::Streaming(_) => false,
         }
     }
 
@@ -205,7 +219,7 @@ impl Body for ReplayBody {
             Kind::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Streaming { hint, .. } => *hint,
+            Kind::Streaming(streamed) => streamed.hint,
         }
     }
 }

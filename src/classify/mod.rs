@@ -379,7 +379,8 @@ impl Classify for DefaultClassifier {
             return Classification::success();
         }
         // `now` is read only for an HTTP-date: the usual seconds cost no clock or `Date` parse.
-        let retry_after = headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
+        let retry_after =
+            headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
         let signal = body.map_or(BodySignal::Other, body_signal);
         let class = match FailureClass::from_status(status) {
             Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
@@ -660,10 +661,15 @@ mod tests {
         let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3600));
         let c = classify(
             429,
-            &[("date", "yesterday, roughly"), ("retry-after", later.as_str())],
+            &[
+                ("date", "yesterday, roughly"),
+                ("retry-after", later.as_str()),
+            ],
             "",
         );
-        let wait = c.retry_after().expect("a date an hour ahead of the system clock");
+        let wait = c
+            .retry_after()
+            .expect("a date an hour ahead of the system clock");
         assert!(
             wait > Duration::from_secs(3590) && wait <= Duration::from_secs(3600),
             "{wait:?}"

@@ -95,7 +95,9 @@ pin_project! {
     #[project = KindProj]
     enum Kind<B> {
         Plain { #[pin] body: B },
-        Peeked { peeked: Peeked<B> },
+        // Boxed: the body every layer returns (nested once per layer) stays the size of the
+        // inner body and a few words on the path every response takes.
+        Peeked { peeked: Box<Peeked<B>> },
     }
 }
 
@@ -255,7 +257,12 @@ impl<B> RetryBody<B> {
     /// The frames read so far, then the rest, under `idle` (the peek's own timer, handed on).
     pub(crate) fn peeked(peeked: Peeked<B>, mut idle: IdleTimer) -> Self {
         idle.reset();
-        Self::with_kind(Kind::Peeked { peeked }, idle)
+        Self::with_kind(
+            Kind::Peeked {
+                peeked: Box::new(peeked),
+            },
+            idle,
+        )
     }
 
     fn with_kind(kind: Kind<B>, idle: IdleTimer) -> Self {

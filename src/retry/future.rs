@@ -205,7 +205,8 @@ struct Ctx<S, C> {
     // The companion layers inside: what the next send carries for them, whether the next send
     // is a re-send of the same attempt they asked for, how many they asked for in this
     // attempt, and whether this attempt moved the request down a fallback chain.
-    carried: Carried,
+    // Boxed, and only once there is something to carry: off the success path.
+    carried: Option<Box<Carried>>,
     resend_next: bool,
     resends: u32,
     stepped: bool,
@@ -315,7 +316,7 @@ where
             gate_passed: false,
             paced: None,
             kept: false,
-            carried: Carried::default(),
+            carried: None,
             resend_next: false,
             resends: 0,
             stepped: false,
@@ -1007,7 +1008,10 @@ where
         // The first attempt sends the caller's own request. A copy is kept while a retry can
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(!self.one_shot).into_parts();
-        let carries = self.carried != Carried::default();
+        let carries = self
+            .carried
+            .as_deref()
+            .is_some_and(|c| *c != Carried::default());
         self.attempt_head_timeout = self.head_timeout();
         parts.extensions.insert(AttemptContext {
             attempt: self.retries + 1,
@@ -1019,7 +1023,9 @@ where
             head_timeout: self.attempt_head_timeout,
         });
         if carries {
-            parts.extensions.insert(self.carried.clone());
+            parts
+                .extensions
+                .insert(self.carried.as_deref().cloned().unwrap_or_default());
         }
         if let Some(name) = &self.config.retry_count_header {
             parts
@@ -1071,7 +1077,9 @@ where
         self.retries += 1;
         self.transparent_used = false;
         self.resends = 0;
-        self.carried.next_attempt();
+        if let Some(carried) = self.carried.as_mut() {
+            carried.next_attempt();
+        }
         State::Sleeping {
             sleep: Box::pin(tokio::time::sleep(delay)),
             watch: self.watch(),
@@ -1228,7 +1236,7 @@ where
             && (std::mem::take(&mut self.keys_resting)
                 || c.retry_after()
                     .is_some_and(|ra| ra > self.policy().get_retry_after_max()));
-        self.carried.note_failure(Failed {
+        self.carried.get_or_insert_default().note_failure(Failed {
             class,
             timed_out: class == FailureClass::Timeout || error.is_some_and(timed_out),
             unwaitable,
@@ -1245,7 +1253,7 @@ where
         head: &mut http::response::Parts,
         body: Option<&ErrorBody>,
     ) -> Answer {
-        let mut carried = self.carried.clone();
+        let mut carried = self.carried.as_deref().cloned().unwrap_or_default();
         let judged = asks.judge(head, body, &mut carried);
         self.keys_resting = std::mem::take(&mut carried.keys_resting);
         match judged {
@@ -1262,7 +1270,7 @@ where
                     && !self.is_cancelled() =>
             {
                 self.resends += 1;
-                self.carried = carried;
+                self.carried = Some(Box::new(carried));
                 self.resend_next = true;
                 tracing::debug!(
                     attempt = self.retries + 1,
