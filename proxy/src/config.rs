@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tower_llm_retry::fleet::RedisFleet;
 use tower_llm_retry::{BudgetConfig, GateConfig, PacingConfig, RetryPolicy};
 
 /// The prefix of every environment variable the proxy reads.
@@ -42,6 +43,15 @@ pub struct Config {
     pub client_token: Option<Secret>,
     /// The name of an environment variable holding the client token. Defaults to none.
     pub client_token_env: Option<String>,
+    /// A Redis (or Valkey) URL, `redis://host:port/db`, `rediss://…` or
+    /// `redis+unix:///path`: every replica given the same URL shares the budget, the cooldown
+    /// gate and the pacing of each (upstream, credential) with the others. Only hashes of the
+    /// upstream and the credential reach Redis. The URL may carry a password: it is shown as
+    /// `"***"` and never logged. Defaults to none (each replica on its own).
+    pub redis_url: Option<Secret>,
+    /// The start of every key and channel name in Redis, so that several deployments can share
+    /// one Redis apart. Defaults to `llm-retry-proxy`.
+    pub redis_prefix: String,
     /// The upstream APIs. Defaults to one Anthropic and one OpenAI upstream.
     pub upstream: Vec<Upstream>,
 }
@@ -57,6 +67,8 @@ impl Default for Config {
             log_format: LogFormat::Text,
             client_token: None,
             client_token_env: None,
+            redis_url: None,
+            redis_prefix: "llm-retry-proxy".to_owned(),
             upstream: vec![
                 Upstream::new("anthropic", Kind::Anthropic, "https://api.anthropic.com"),
                 Upstream::new("openai", Kind::OpenAi, "https://api.openai.com"),
@@ -394,7 +406,7 @@ impl Config {
 
     /// Applies `LLM_RETRY_PROXY_*` overrides from `vars`: `LISTEN`, `MAX_BODY_BYTES`,
     /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `LOG_FORMAT`,
-    /// `CLIENT_TOKEN`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
+    /// `CLIENT_TOKEN`, `REDIS_URL`, `REDIS_PREFIX`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
     /// `UPSTREAM_{NAME}_MAX_RETRIES` (`NAME` upper-cased, `-` as `_`).
     pub fn apply_env(
         &mut self,
@@ -432,6 +444,8 @@ impl Config {
                     }
                 }
                 "CLIENT_TOKEN" => self.client_token = Some(Secret::new(value.clone())),
+                "REDIS_URL" => self.redis_url = Some(Secret::new(value.clone())),
+                "REDIS_PREFIX" => self.redis_prefix = value.clone(),
                 // The log filter, read by the binary.
                 "LOG" => {}
                 _ => {
@@ -475,6 +489,7 @@ impl Config {
         if self.max_tenants == 0 {
             return Err(ConfigError::new("max_tenants must be at least 1"));
         }
+        self.redis_store()?;
         let mut prefixes = Vec::new();
         for up in &self.upstream {
             let at = format!("[[upstream]] {:?}", up.name);
@@ -571,6 +586,24 @@ impl Config {
         Ok(self.client_token_source())
     }
 
+    /// The Redis store every stack's fleet shares, when `redis_url` is set. Nothing connects
+    /// yet: the fleets connect in the background once used, and keep to their own state
+    /// until then (or whenever Redis is out of reach).
+    pub fn redis_store(&self) -> Result<Option<RedisFleet>, ConfigError> {
+        let Some(url) = &self.redis_url else {
+            return Ok(None);
+        };
+        if self.redis_prefix.is_empty() || self.redis_prefix.contains(['{', '}']) {
+            return Err(ConfigError::new(
+                "redis_prefix must be non-empty and without braces (they would move the keys' hash slot)",
+            ));
+        }
+        // The library's error never quotes the URL (it may carry a password).
+        let store = RedisFleet::from_url(url.expose())
+            .map_err(|_| ConfigError::new("redis_url is not a valid Redis URL"))?;
+        Ok(Some(store.prefix(self.redis_prefix.clone())))
+    }
+
     /// The resolved configuration as TOML, with every secret shown as `"***"`.
     pub fn masked(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
@@ -635,6 +668,40 @@ mod tests {
         assert!(shown.contains("\"***\""), "{shown}");
         assert!(!shown.contains("SECRET"));
         assert!(!format!("{c:?}").contains("SECRET"));
+    }
+
+    #[test]
+    fn a_redis_url_is_checked_masked_and_overridable() {
+        let mut c = Config::from_toml(
+            "redis_url = \"redis://:pa55-SECRET@10.0.0.5:6379/2\"\nredis_prefix = \"team-a\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.redis_store().unwrap().is_some());
+        let shown = c.masked();
+        assert!(shown.contains("redis_url = \"***\""), "{shown}");
+        assert!(shown.contains("redis_prefix = \"team-a\""), "{shown}");
+        assert!(!shown.contains("SECRET") && !format!("{c:?}").contains("SECRET"));
+
+        c.apply_env([(
+            "LLM_RETRY_PROXY_REDIS_URL".into(),
+            "not a url, SECRET".into(),
+        )])
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("redis_url") && !e.contains("SECRET"), "{e}");
+
+        c.apply_env([
+            (
+                "LLM_RETRY_PROXY_REDIS_URL".into(),
+                "redis://127.0.0.1:1/".into(),
+            ),
+            ("LLM_RETRY_PROXY_REDIS_PREFIX".into(), "a{b}".into()),
+        ])
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("redis_prefix"), "{e}");
+        assert_eq!(Config::default().redis_store().unwrap().map(|_| ()), None);
     }
 
     #[test]

@@ -81,6 +81,7 @@ impl Proxy {
         config.validate()?;
         let metrics = Arc::new(Metrics::new());
         let mut factories = Vec::new();
+        let redis = config.redis_store()?;
         for up in &config.upstream {
             let keys = load_keys(up)?;
             factories.push(StackFactory::new(
@@ -88,6 +89,7 @@ impl Proxy {
                 keys,
                 metrics.clone(),
                 config.max_body_bytes,
+                redis.clone(),
             )?);
         }
         let client_token = config
@@ -273,6 +275,9 @@ impl State {
             Err(msg) => return self.reject(kind, Reject::BadHeader, &msg),
         };
 
+        // What the tenant's fleet is named by in Redis (hashed there): only read when the
+        // fleets are shared, and only for a tenant's first request.
+        let mut credential = Vec::new();
         let tenant = if factory.holds_keys() {
             if !self.token_ok(req.headers()) {
                 return self.reject(
@@ -286,7 +291,11 @@ impl State {
         } else {
             let h = req.headers();
             let get = |n: &str| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
-            TenantId::of(&self.salt, &[get("x-api-key"), get("authorization")])
+            let (key, auth) = (get("x-api-key"), get("authorization"));
+            if factory.shares_fleets() {
+                credential = [key, b"\n", auth].concat();
+            }
+            TenantId::of(&self.salt, &[key, auth])
         };
 
         let cap = self.config.max_body_bytes;
@@ -353,7 +362,10 @@ impl State {
                 .insert(up.apply_timeouts(p.policy()));
         }
 
-        let tenant = match self.tenants.get(route.upstream, tenant, factory) {
+        let tenant = match self
+            .tenants
+            .get(route.upstream, tenant, &credential, factory)
+        {
             Ok(t) => t,
             Err(e) => {
                 tracing::error!(error = %e, upstream = %up.name, "cannot build the stack");

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
+use tower_llm_retry::fleet::RedisFleet;
 use tower_llm_retry::{
     ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, Fleet,
     ModelFallbackLayer, ReplayBody, RetryLayer,
@@ -103,8 +104,12 @@ pub struct StackFactory {
     upstream: Arc<Upstream>,
     client: HttpClient,
     keys: Option<Arc<ApiKeyPool>>,
+    /// What names the proxy's own keys in a Redis scope: every replica holding the same
+    /// keys shares one fleet for them (only a hash of it reaches Redis).
+    keys_scope: Vec<u8>,
     metrics: Arc<Metrics>,
     body_limit: usize,
+    redis: Option<RedisFleet>,
 }
 
 impl std::fmt::Debug for StackFactory {
@@ -112,19 +117,27 @@ impl std::fmt::Debug for StackFactory {
         f.debug_struct("StackFactory")
             .field("upstream", &self.upstream.name)
             .field("holds_keys", &self.keys.is_some())
+            .field("shared_through_redis", &self.redis.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl StackFactory {
-    /// A factory for `upstream`'s stacks; `keys` when the proxy holds them.
+    /// A factory for `upstream`'s stacks; `keys` when the proxy holds them; `redis` when the
+    /// fleets are shared with the other replicas.
     pub fn new(
         upstream: Arc<Upstream>,
         keys: Option<Vec<String>>,
         metrics: Arc<Metrics>,
         body_limit: usize,
+        redis: Option<RedisFleet>,
     ) -> Result<Self, ConfigError> {
         let client = client(&upstream)?;
+        let keys_scope = keys.as_ref().map_or_else(Vec::new, |keys| {
+            let mut sorted: Vec<&str> = keys.iter().map(String::as_str).collect();
+            sorted.sort_unstable();
+            sorted.join("\n").into_bytes()
+        });
         let keys = match keys {
             None => None,
             Some(keys) => {
@@ -145,8 +158,10 @@ impl StackFactory {
             upstream,
             client,
             keys,
+            keys_scope,
             metrics,
             body_limit,
+            redis,
         })
     }
 
@@ -155,13 +170,20 @@ impl StackFactory {
         &self.upstream
     }
 
+    /// Whether the fleets are shared with other replicas through Redis.
+    pub fn shares_fleets(&self) -> bool {
+        self.redis.is_some()
+    }
+
     /// Whether the proxy holds this upstream's keys.
     pub fn holds_keys(&self) -> bool {
         self.keys.is_some()
     }
 
-    /// A new stack, with its own fleet state.
-    pub fn build(&self) -> Result<Stack, ConfigError> {
+    /// A new stack, with its own fleet state: for the requests that go out with `credential`
+    /// (the client's credential headers, or none when the proxy holds the keys). With Redis,
+    /// that state is the one every replica keeps for this upstream and credential.
+    pub fn build(&self, credential: &[u8]) -> Result<Stack, ConfigError> {
         let up = &self.upstream;
         let metrics = self.metrics.clone();
         let name: Arc<str> = Arc::from(up.name.as_str());
@@ -204,11 +226,19 @@ impl StackFactory {
             inner = boxed(layer.layer(inner));
         }
         let (budget, gate, pacing) = up.fleet();
-        let fleet = Fleet::builder()
+        let mut fleet = Fleet::builder()
             .budget(budget)
             .cooldown_gate(gate)
-            .pacing(pacing)
-            .build();
+            .pacing(pacing);
+        if let Some(store) = &self.redis {
+            let credential = if self.keys.is_some() {
+                &self.keys_scope[..]
+            } else {
+                credential
+            };
+            fleet = fleet.redis(store.clone().scope(&up.url, credential));
+        }
+        let fleet = fleet.build();
         let retry = RetryLayer::new()
             .policy(up.retry_policy())
             .body_limit(self.body_limit)
@@ -313,11 +343,13 @@ impl Tenants {
         }
     }
 
-    /// The stack of (`upstream`, `tenant`), built with `factory` when there is none.
+    /// The stack of (`upstream`, `tenant`), built with `factory` when there is none;
+    /// `credential` is what the tenant's requests go out with (see [`StackFactory::build`]).
     pub fn get(
         &self,
         upstream: usize,
         tenant: TenantId,
+        credential: &[u8],
         factory: &StackFactory,
     ) -> Result<Tenant, ConfigError> {
         let mut guard = self.map.lock().unwrap_or_else(PoisonError::into_inner);
@@ -334,7 +366,7 @@ impl Tenants {
             }
         }
         let built = Tenant {
-            stack: factory.build()?,
+            stack: factory.build(credential)?,
             client_budget: factory
                 .upstream
                 .fleet()

@@ -1,11 +1,13 @@
 //! The proxy end to end: a client, the proxy's `serve` on 127.0.0.1, and the crate's mock as
-//! the upstream, all on one current-thread runtime with paused time.
+//! the upstream, all on one current-thread runtime with paused time (real time for the
+//! replicas sharing a real Redis).
 
 mod common;
 
 mod bad_input;
 mod forwarding;
 mod ops;
+mod replicas;
 mod retries;
 mod secrets;
 mod streams;

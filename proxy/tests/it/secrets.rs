@@ -82,7 +82,7 @@ fn check_config_prints_the_resolved_config_masked() {
     let good = dir.join("good.toml");
     std::fs::write(
         &good,
-        "client_token = \"tok-SECRET\"\n[[upstream]]\nname = \"anthropic\"\nkeys_env = \"SOME_KEYS\"\n",
+        "client_token = \"tok-SECRET\"\nredis_url = \"redis://:SECRET@127.0.0.1:6379/\"\n[[upstream]]\nname = \"anthropic\"\nkeys_env = \"SOME_KEYS\"\n",
     )
     .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
@@ -98,6 +98,7 @@ fn check_config_prints_the_resolved_config_masked() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("client_token = \"***\""), "{stdout}");
+    assert!(stdout.contains("redis_url = \"***\""), "{stdout}");
     assert!(stdout.contains("max_retries = 4"), "{stdout}");
     assert!(stdout.contains("listen = \"127.0.0.1:8787\""), "{stdout}");
     assert!(!stdout.contains("SECRET"));

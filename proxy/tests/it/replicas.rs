@@ -1,0 +1,132 @@
+//! Replicas sharing one Redis: two proxies in front of one upstream, as two processes would
+//! be, learn each other's `429`s per tenant. Against a real `redis-server` (started here, on a
+//! Unix socket), so in real time.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Request;
+use http_body_util::Full;
+use tokio::time::Instant;
+use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry_proxy::config::Secret;
+use tower_llm_retry_proxy::{Config, Proxy};
+
+use crate::common::*;
+
+#[path = "../../../tests/common/redis.rs"]
+#[allow(dead_code)]
+mod redis_server;
+
+/// A proxy with `config`, serving on a port of its own until the test ends.
+async fn replica(config: Config) -> (std::net::SocketAddr, Proxy) {
+    let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = Proxy::new(config).unwrap();
+    tokio::spawn(proxy.clone().serve(listener, std::future::pending::<()>()));
+    (addr, proxy)
+}
+
+fn from(addr: std::net::SocketAddr, key: &str) -> Request<Full<bytes::Bytes>> {
+    Request::post(format!("http://{addr}/v1/messages"))
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01")
+        .header("x-api-key", key)
+        .body(Full::from(MESSAGES))
+        .unwrap()
+}
+
+async fn until_requests(mock: &MockServer, n: usize) {
+    let start = Instant::now();
+    while mock.request_count() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the upstream saw too few requests"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test]
+async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_closed() {
+    let Some(redis) = redis_server::RedisServer::start() else {
+        return;
+    };
+    // The second request of tenant A (the first goes through replica B) is refused for 2 s.
+    let seen_a = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let limited = Arc::new(AtomicBool::new(false));
+    let script = Script::new().when({
+        let seen_a = seen_a.clone();
+        move |req| {
+            let a = req.headers.get("x-api-key").is_some_and(|k| k == "sk-A");
+            (a && seen_a.fetch_add(1, Ordering::SeqCst) == 1
+                && !limited.swap(true, Ordering::SeqCst))
+            .then(|| Reply::rate_limited("2"))
+        }
+    });
+    let mock = MockServer::start(script).await.unwrap();
+    let mut config = config_for(&mock);
+    config.redis_url = Some(Secret::new(redis.url()));
+    config.redis_prefix = format!("proxy-replicas-{}", std::process::id());
+    let (a, proxy_a) = replica(config.clone()).await;
+    let (b, _) = replica(config).await;
+    let client = client();
+
+    // B's stack for tenant A exists (and is in touch with Redis) before A's 429.
+    assert_eq!(client.request(from(b, "sk-A")).await.unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let through_a = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(from(a, "sk-A")).await.unwrap().status() }
+    });
+    until_requests(&mock, 2).await;
+    let closed_at = mock.requests()[1].received_at;
+    // Once A has the 429 (and closes the gate in Redis, which publishes it), B learns of it
+    // from the message, or at worst from its poll within a second.
+    let start = Instant::now();
+    while !proxy_a
+        .metrics()
+        .render()
+        .contains("llm_retry_proxy_gate_closures_total{upstream=\"anthropic\"} 1")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "A never saw its 429"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let through_b = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(from(b, "sk-A")).await.unwrap().status() }
+    });
+    // Another tenant on B is not held by A's gate.
+    assert_eq!(client.request(from(b, "sk-B")).await.unwrap().status(), 200);
+    assert_eq!(through_b.await.unwrap(), 200);
+    assert_eq!(through_a.await.unwrap(), 200);
+
+    let seen = mock.requests();
+    assert_eq!(
+        seen.len(),
+        5,
+        "B's first, A's 429, B's tenant B, then A and B after the gate"
+    );
+    let after = |key: &str| -> Vec<Duration> {
+        seen.iter()
+            .filter(|r| r.headers["x-api-key"] == key && r.received_at > closed_at)
+            .map(|r| r.received_at - closed_at)
+            .collect()
+    };
+    let b_tenant = after("sk-B");
+    assert_eq!(b_tenant.len(), 1);
+    assert!(b_tenant[0] < Duration::from_millis(500), "{b_tenant:?}");
+    // Both replicas' requests of tenant A left only once the 2 s were over.
+    let a_tenant = after("sk-A");
+    assert_eq!(a_tenant.len(), 2);
+    assert!(
+        a_tenant.iter().all(|t| *t >= Duration::from_millis(1900)),
+        "{a_tenant:?}"
+    );
+}
