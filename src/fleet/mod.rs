@@ -226,7 +226,7 @@ struct FleetState {
 /// The states of a fleet kept per scope.
 struct Scopes {
     template: FleetBuilder,
-    hasher: std::collections::hash_map::RandomState,
+    hasher: foldhash::fast::RandomState,
     map: std::sync::RwLock<std::collections::HashMap<u64, Fleet>>,
 }
 
@@ -241,7 +241,12 @@ struct ScopeName {
 const MAX_SCOPES: usize = 4096;
 
 /// The request headers that carry an API credential.
-const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
+const CREDENTIAL_HEADERS: [http::HeaderName; 4] = [
+    http::header::AUTHORIZATION,
+    http::HeaderName::from_static("x-api-key"),
+    http::HeaderName::from_static("api-key"),
+    http::HeaderName::from_static("x-goog-api-key"),
+];
 
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
 #[derive(Debug, Clone)]
@@ -250,7 +255,8 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
-    per_scope: bool,
+    /// `None`: the default, per scope unless the fleet has a Redis store.
+    per_scope: Option<bool>,
     #[cfg(feature = "fleet-redis")]
     redis: Option<RedisFleet>,
 }
@@ -266,7 +272,8 @@ impl FleetBuilder {
 
     /// The cooldown gate: a `429` / `529` with `Retry-After`, or rate-limit headers saying
     /// nothing is left, hold every attempt until then, and release them spread out. See
-    /// [`GateConfig`]. Defaults to `None` (off).
+    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to
+    /// `Some(GateConfig::default())` (on); `None` turns it off.
     pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
         self.gate = gate;
         self
@@ -274,7 +281,9 @@ impl FleetBuilder {
 
     /// Adaptive pacing: attempts leave evenly spaced at a rate that grows with successes and
     /// shrinks on `429` / overload, the rest waiting their turn in arrival order. See
-    /// [`PacingConfig`]. Defaults to `None` (off).
+    /// [`PacingConfig`]. Defaults to `Some(PacingConfig::new().dormant(true))`: no pacing
+    /// until the server first signals a rate limit, then from the rate measured over the
+    /// last second (see [`PacingConfig::dormant`]); `None` turns it off.
     pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
         self.pacing = pacing;
         self
@@ -298,22 +307,36 @@ impl FleetBuilder {
     /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
     /// beyond 4,096 scopes), whose state stays in the process; [`Fleet::scopes`] and
     /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
-    /// [`RedisFleet::scope`] applies to every scope. Defaults to false: one state for every
-    /// request.
+    /// [`RedisFleet::scope`] applies to every scope.
+    ///
+    /// On a request's path the scope costs a hash of the authority and the credential
+    /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
+    /// lookup under a read lock; only the first request of a scope allocates. The map holds
+    /// at most 4,096 scopes, and is never emptied while the fleet lives: requests of further
+    /// scopes share the fleet's own state (one budget, gate and pace for all of them, as
+    /// with `per_scope(false)`), so a flood of distinct credentials costs a bounded amount
+    /// of memory (about 4,096 small states) and, past the bound, one lookup that misses.
+    /// Defaults to true, but for a fleet given a Redis store ([`FleetBuilder::redis`]),
+    /// whose store names its scope already (call `per_scope(true)` to key its state by
+    /// request as well); false keeps one state for every request.
     pub fn per_scope(mut self, yes: bool) -> Self {
-        self.per_scope = yes;
+        self.per_scope = Some(yes);
         self
     }
 
     /// The fleet, its state new. With a Redis store, its background task starts on the
     /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
-        let scopes = self.per_scope.then(|| Scopes {
+        #[cfg(feature = "fleet-redis")]
+        let per_scope = self.per_scope.unwrap_or(self.redis.is_none());
+        #[cfg(not(feature = "fleet-redis"))]
+        let per_scope = self.per_scope.unwrap_or(true);
+        let scopes = per_scope.then(|| Scopes {
             template: FleetBuilder {
-                per_scope: false,
+                per_scope: Some(false),
                 ..self.clone()
             },
-            hasher: std::collections::hash_map::RandomState::new(),
+            hasher: foldhash::fast::RandomState::default(),
             map: std::sync::RwLock::new(std::collections::HashMap::new()),
         });
         #[allow(unused_mut)]
@@ -349,9 +372,9 @@ impl Default for FleetBuilder {
     fn default() -> Self {
         FleetBuilder {
             budget: Some(BudgetConfig::default()),
-            gate: None,
-            pacing: None,
-            per_scope: false,
+            gate: Some(GateConfig::default()),
+            pacing: Some(PacingConfig::new().dormant(true)),
+            per_scope: None,
             #[cfg(feature = "fleet-redis")]
             redis: None,
         }
@@ -359,7 +382,7 @@ impl Default for FleetBuilder {
 }
 
 impl Default for Fleet {
-    /// The default budget, no gate, no pacing: what a layer given no fleet builds.
+    /// The defaults of [`Fleet::builder`]: what a layer given no fleet builds.
     fn default() -> Self {
         Fleet::builder().build()
     }
@@ -379,7 +402,10 @@ pub struct BudgetStats {
 }
 
 impl Fleet {
-    /// A builder with the defaults: the default budget, no gate, no pacing.
+    /// A builder with the defaults: the default budget, the default cooldown gate, a
+    /// [dormant](PacingConfig::dormant) pacing, a state per scope
+    /// ([`FleetBuilder::per_scope`]). `Fleet::builder().cooldown_gate(None).pacing(None)
+    /// .per_scope(false)` is the fleet of earlier versions: the budget alone, one state.
     pub fn builder() -> FleetBuilder {
         FleetBuilder::default()
     }
@@ -420,10 +446,14 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.config())
     }
 
-    /// The current pacing rate, in requests per second, when pacing is on: the fleet's,
-    /// across processes, while a Redis store is in touch.
+    /// The current pacing rate, in requests per second, when pacing is on and awake (not
+    /// [dormant](PacingConfig::dormant)): the fleet's, across processes, while a Redis store
+    /// is in touch.
     pub fn pace(&self) -> Option<f64> {
         let pacer = self.inner.pacer.as_ref()?;
+        if !pacer.is_awake() {
+            return None;
+        }
         #[cfg(feature = "fleet-redis")]
         if let Some(rate) = self.inner.redis.as_ref().and_then(|l| l.pace()) {
             return Some(rate);
@@ -471,7 +501,7 @@ impl Fleet {
         let upstream = uri.authority()?.as_str();
         let credential = CREDENTIAL_HEADERS
             .iter()
-            .find_map(|h| headers.get(*h))
+            .find_map(|h| headers.get(h))
             .map_or(&b""[..], |v| v.as_bytes());
         let key = {
             use std::hash::BuildHasher;
@@ -526,6 +556,11 @@ impl Fleet {
     /// before its turn leaves the line.
     pub(crate) fn ticket(&self, policy: &RetryPolicy, deadline: Option<Instant>) -> Option<Ticket> {
         let pacer = self.pacer()?;
+        // Dormant, the pacing only counts what goes out, until the server signals a limit.
+        if !pacer.is_awake() {
+            pacer.dormant_send();
+            return None;
+        }
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
         let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
@@ -629,10 +664,27 @@ impl Fleet {
         retry_after: Option<Duration>,
         policy: &RetryPolicy,
     ) {
-        // Pacing: a stated request limit caps the rate.
+        let ceiling = policy.get_retry_after_max();
+        // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
+        // do) is not taken as a wait by the fleet either.
+        let honoured = |w: &Duration| {
+            *w <= ceiling || policy.get_above_ceiling() != crate::retry::AboveCeiling::UseBackoff
+        };
+        let retry_after = retry_after.filter(honoured);
+        // Pacing: a stated request limit caps the rate; it, or a refusal for load, wakes a
+        // dormant pacing (a 5xx without it does not).
         if let Some(pacer) = self.pacer() {
+            if !pacer.is_awake() {
+                let status = head.status;
+                if status == StatusCode::TOO_MANY_REQUESTS
+                    || status.as_u16() == crate::classify::STATUS_OVERLOADED
+                {
+                    pacer.wake_on_refusal(retry_after.map(|w| w.min(ceiling)));
+                }
+            }
             if let Some(limit) = crate::provider::ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
+                pacer.wake_on_limit();
                 #[cfg(feature = "fleet-redis")]
                 if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
                 {
@@ -643,7 +695,6 @@ impl Fleet {
         let Some(gate) = self.gate() else {
             return;
         };
-        let ceiling = policy.get_retry_after_max();
         let status = head.status.as_u16();
         let h = &head.headers;
         // Absolute times from the server are read against the server's own clock, its
@@ -664,7 +715,8 @@ impl Fleet {
                     crate::classify::headers::parse_retry_after(h, now)
                 }
                 _ => retry_after,
-            };
+            }
+            .filter(honoured);
             if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
                 self.close_gate(gate, wait.min(ceiling));
             }

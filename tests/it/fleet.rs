@@ -189,7 +189,14 @@ async fn one_429_holds_100_first_attempts_and_releases_them_spread() {
             RetryLayer::new()
                 .policy(no_jitter().random(stepping_random()))
                 .observer(planned.clone())
-                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
+                // The gate alone: its spread is the claim, and the default pacing, woken by
+                // the 429, would space the release further.
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(gate))
+                        .pacing(None)
+                        .build(),
+                ),
         )
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -538,13 +545,19 @@ async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_gate_is_off_by_default() {
+async fn the_gate_turned_off_holds_nothing() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
     let planned = RetryPlanned::default();
+    // The defaults of earlier versions, explicitly: the gate is on by default now.
+    let old = Fleet::builder()
+        .cooldown_gate(None)
+        .pacing(None)
+        .per_scope(false)
+        .build();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().observer(planned.clone()))
+        .layer(RetryLayer::new().observer(planned.clone()).fleet(old))
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
     svc.clone()
@@ -1218,8 +1231,12 @@ async fn a_hyper_stack_and_a_reqwest_stack_sharing_one_fleet_share_the_gate() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
+    // One state for every request: the claim is read from the fleet's own. The gate alone:
+    // the default pacing, woken by the 429, would space the two sent as it reopens.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .pacing(None)
+        .per_scope(false)
         .build();
     let planned = RetryPlanned::default();
     let hyper_stack = RetryLayer::new()
@@ -1282,7 +1299,11 @@ async fn two_stacks_sharing_one_fleet_share_the_budget() {
         .await
         .unwrap();
     let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
-    let fleet = Fleet::builder().budget(Some(budget)).build();
+    // One state for every request: the claim is read from the fleet's own.
+    let fleet = Fleet::builder()
+        .budget(Some(budget))
+        .per_scope(false)
+        .build();
     // 3 retries without jitter take 3.5 s: every retry falls in one 10 s window.
     let hyper_stack = RetryLayer::new()
         .policy(no_jitter().max_retries(3))
@@ -1380,9 +1401,11 @@ async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
     )
     .await
     .unwrap();
+    // One state for every request: the read-outs are the fleet's own.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().min_close(Duration::from_secs(1))))
         .pacing(Some(paced(10.0, 10.0)))
+        .per_scope(false)
         .build();
     assert_eq!(fleet.gate_closed_until(), None);
     assert_eq!(fleet.gate_closings(), Some(0));
@@ -1434,8 +1457,17 @@ async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
 }
 
 #[test]
-fn a_fleet_built_by_default_has_the_budget_on_and_the_gate_and_pacing_off() {
-    for fleet in [Fleet::default(), Fleet::builder().build()] {
+fn a_fleet_built_with_the_gate_and_pacing_off_has_only_the_budget() {
+    // The defaults of earlier versions, explicitly (the gate and pacing are on by default
+    // now: see `a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes`).
+    let old = || {
+        Fleet::builder()
+            .cooldown_gate(None)
+            .pacing(None)
+            .per_scope(false)
+            .build()
+    };
+    for fleet in [old(), old()] {
         assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
         assert!(fleet.gate_config().is_none());
         assert_eq!(fleet.gate_closed_until(), None);
@@ -1533,8 +1565,10 @@ async fn a_fleet_not_kept_per_scope_holds_every_key() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
+    // Kept per scope by default now: this is the fleet that is not.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .per_scope(false)
         .build();
     let planned = RetryPlanned::default();
     let svc = RetryLayer::new()
@@ -1579,8 +1613,10 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
     .await
     .unwrap();
     for (n, wait) in [(0, 7), (1, 5)] {
+        // One state for every request: the gate read is the fleet's own.
         let fleet = Fleet::builder()
             .cooldown_gate(Some(GateConfig::new()))
+            .per_scope(false)
             .build();
         let svc = RetryLayer::new()
             .policy(no_jitter().max_retries(0))
