@@ -1633,3 +1633,266 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The defaults: the gate, a dormant pacing, a state per scope.
+
+/// The default policy without jitter, and no spread at the gate.
+fn exact() -> RetryPolicy {
+    no_jitter().random(Random::from_fn(|| 0.0))
+}
+
+fn with_key(uri: &str, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    let mut req = anthropic_request(uri, BODY);
+    req.headers_mut()
+        .insert("x-api-key", http::HeaderValue::from_str(key).unwrap());
+    req
+}
+
+#[test]
+fn a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes() {
+    for fleet in [Fleet::default(), Fleet::builder().build()] {
+        assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
+        assert!(fleet.gate_config().is_some());
+        assert_eq!(fleet.gate_closed_until(), None);
+        assert_eq!(fleet.gate_closings(), Some(0));
+        assert_eq!(
+            fleet.pacing_config(),
+            Some(PacingConfig::new().dormant(true))
+        );
+        assert!(fleet.pacing_config().unwrap().is_dormant());
+        // Dormant: no pace to report.
+        assert_eq!(fleet.pace(), None);
+        assert_eq!(fleet.pacing_refused(), Some(0));
+        // Kept per scope.
+        let req = with_key("http://127.0.0.1:1/v1/messages", "sk-ant-key-a");
+        assert!(!fleet.scope_for(&req).ptr_eq(&fleet));
+        assert_eq!(fleet.scopes().len(), 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_layer_fronting_two_keys_holds_only_the_key_that_got_the_429() {
+    // The first request (key a) gets a 429 with Retry-After 8 s; everything else succeeds.
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+
+    // Key b is not held: answered at once.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-b"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::ZERO);
+    // Key a is: a second request waits at its gate for the 8 s.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    let got: Vec<_> = server
+        .requests()
+        .iter()
+        .map(|r| {
+            let key = r.headers["x-api-key"].to_str().unwrap().to_owned();
+            (key, r.received_at - origin)
+        })
+        .collect();
+    let ms = |n| Duration::from_millis(n);
+    assert_eq!(got.len(), 4);
+    assert_eq!(got[0], ("sk-ant-key-a".into(), ms(0)));
+    assert_eq!(got[1], ("sk-ant-key-b".into(), ms(0)));
+    // The retry and the held request as the gate reopens at 8 s, one pacing turn apart:
+    // the 429 woke key a's pacing, and at 50/s (the floor: it had measured one attempt).
+    let mut held: Vec<_> = got[2..].iter().map(|(_, at)| *at).collect();
+    held.sort();
+    assert!(got[2..].iter().all(|(key, _)| key == "sk-ant-key-a"));
+    assert!(held[0] >= ms(8_000) && held[0] <= ms(8_001), "{held:?}");
+    assert!(held[1] >= ms(8_020) && held[1] <= ms(8_021), "{held:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_pacing_delays_nothing_before_a_rate_limit_signal() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    // 500 at once: a pacing that paced from the start (50 requests/s in slow start) would
+    // spread them over seconds.
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..500 {
+        let req = with_key(&url, "sk-ant-key-a");
+        tasks.spawn(svc.clone().oneshot(req));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(server.request_count(), 500);
+    assert!(arrivals(&server, origin).iter().all(|d| d.is_zero()));
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    assert_eq!(scope.pace(), None);
+    assert_eq!(scope.pacing_refused(), Some(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
+    // 400 successes, then one 429 without Retry-After (the gate stays open), then successes.
+    let mut script = Script::new();
+    for _ in 0..400 {
+        script = script.then(Reply::success());
+    }
+    let server = MockServer::start(script.then(Reply::status(429)))
+        .await
+        .unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    // One request every 5 ms (200/s) for 2 s, each answered at once: nothing paced.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..401 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(scope.pace().is_some(), server.request_count() > 400);
+    }
+    // The 401st was refused: the pacing woke at the rate it measured over the last second,
+    // 200/s, halved as at the end of slow start.
+    let pace = scope.pace().unwrap();
+    assert!((pace - 100.0).abs() < 2.0, "{pace}");
+    // From now on attempts leave 1 / pace apart: a burst of 20 (and the 429's retry, which
+    // comes 500 ms after it) is spaced.
+    let origin = Instant::now();
+    for _ in 0..20 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    let mut got: Vec<_> = server
+        .requests()
+        .iter()
+        .filter(|r| r.received_at >= origin)
+        .map(|r| r.received_at - origin)
+        .filter(|d| *d < Duration::from_millis(400))
+        .collect();
+    got.sort();
+    assert_eq!(got.len(), 20);
+    assert_eq!(got[0], Duration::ZERO);
+    // Each 1 / pace after the one before (the successes, each +0.05/s while others wait,
+    // move it by less than the timer's millisecond).
+    let gap = 1.0 / pace;
+    for pair in got.windows(2) {
+        let d = (pair[1] - pair[0]).as_secs_f64();
+        assert!((d - gap).abs() <= 0.001, "{got:?}, gap {gap}");
+    }
+    assert_eq!(server.request_count(), 422);
+}
+
+#[tokio::test(start_paused = true)]
+async fn random_503s_neither_wake_nor_slow_the_default_pacing() {
+    // Every 10th of the first 100 answers a 503 without Retry-After.
+    let script = Script::new().when({
+        let n = AtomicU64::new(0);
+        move |_| {
+            let n = n.fetch_add(1, Ordering::SeqCst);
+            (n < 100 && n % 10 == 9).then(|| Reply::status(503))
+        }
+    });
+    let server = MockServer::start(script).await.unwrap();
+    let fleet = Fleet::default();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    // The first attempts all at once, the ten retries together 500 ms later: not paced.
+    let got = arrivals(&server, origin);
+    assert_eq!(got.len(), 110);
+    assert!(got[..100].iter().all(|d| d.is_zero()));
+    assert!(got[100..]
+        .iter()
+        .all(|d| *d >= Duration::from_millis(500) && *d <= Duration::from_millis(501)));
+    assert_eq!(scope.pace(), None);
+
+    // Woken by a 429, then 503s on paced attempts: the pace does not move.
+    server.push(Reply::status(429));
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let woken = scope.pace().unwrap();
+    for i in 0..30 {
+        if i % 10 == 9 {
+            server.push(Reply::status(503));
+        }
+        let res = svc
+            .clone()
+            .oneshot(with_key(&url, "sk-ant-key-a"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    // The 429 and its retry, 30 requests, and the retries of their three 503s.
+    assert_eq!(server.request_count(), 110 + 2 + 30 + 3);
+    assert_eq!(scope.pace(), Some(woken));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own_state() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::default();
+    let url = server.url("/v1/messages");
+    for k in 0..4_096 {
+        let scope = fleet.scope_for(&with_key(&url, &format!("sk-ant-key-{k}")));
+        assert!(!scope.ptr_eq(&fleet));
+    }
+    assert_eq!(fleet.scopes().len(), 4_096);
+    // A known scope is still its own; a new one gets the fleet's own state, and the map
+    // stays as it is.
+    let known = fleet.scope_for(&with_key(&url, "sk-ant-key-7"));
+    assert!(known.ptr_eq(&fleet.scope_for(&with_key(&url, "sk-ant-key-7"))));
+    assert!(fleet
+        .scope_for(&with_key(&url, "sk-ant-key-new"))
+        .ptr_eq(&fleet));
+    assert_eq!(fleet.scopes().len(), 4_096);
+    // A request past the bound goes out, counted in the fleet's own budget.
+    let svc = RetryLayer::new().fleet(fleet.clone()).layer(http_client());
+    let res = svc.oneshot(with_key(&url, "sk-ant-key-new")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(fleet.budget_stats().unwrap().first_attempts, 1);
+    assert_eq!(fleet.scopes().len(), 4_096);
+}
