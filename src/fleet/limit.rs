@@ -102,6 +102,7 @@ pub struct PacingConfig {
     growth: f64,
     limit_period: Option<Duration>,
     dormant: bool,
+    burst: Duration,
 }
 
 impl Default for PacingConfig {
@@ -114,6 +115,7 @@ impl Default for PacingConfig {
             growth: 0.05,
             limit_period: Some(Duration::from_secs(60)),
             dormant: false,
+            burst: Duration::ZERO,
         }
     }
 }
@@ -207,6 +209,29 @@ impl PacingConfig {
     pub fn dormant(mut self, yes: bool) -> Self {
         self.dormant = yes;
         self
+    }
+
+    /// The turns a quiet spell leaves in hand, as a span of time: after a spell with no one
+    /// in line, up to `burst × rate` attempts may leave at once before the spacing resumes,
+    /// as a token bucket of that depth lets them. A server's limiter that allows a burst
+    /// (a token bucket's depth, a window's quota) takes it; evenly spaced attempts alone
+    /// would turn every burst of demand into a queue (in the storm bench's S6, demand at the
+    /// limit: 0.935 C of goodput without it, 0.977 C with 1 s). At most 60 s. Defaults to
+    /// zero: at most one gap's turn is made up (the schedule is kept when a turn is taken a
+    /// little late). The fleet's default pacing has 1 s.
+    pub fn burst(mut self, span: Duration) -> Result<Self, ConfigError> {
+        if span > Duration::from_secs(60) {
+            return Err(ConfigError::new(format!(
+                "the pacing burst must be at most 60 s, got {span:?}"
+            )));
+        }
+        self.burst = span;
+        Ok(self)
+    }
+
+    /// The span of turns a quiet spell leaves in hand.
+    pub fn get_burst(&self) -> Duration {
+        self.burst
     }
 
     /// Whether the pacing sleeps until the server first signals a rate limit.
@@ -572,9 +597,10 @@ impl Pacer {
             // Turns keep to their schedule even when taken a little late (a timer fires on a
             // millisecond), so the average rate is the rate; after a quiet spell longer than
             // a gap the schedule starts again from now.
+            let window = self.credit_window(gap);
             let head = match s.next_time {
-                Some(t) if t + gap > now => t,
-                _ => now,
+                Some(t) if t + window > now => t,
+                _ => now.checked_sub(window - gap).unwrap_or(now),
             };
             if head <= now {
                 // Slow start: while the line is longer than the rate lets through and no
@@ -614,9 +640,10 @@ impl Pacer {
                 .ok()
                 .and_then(|ahead| due.checked_add(ahead + HEAD_GRACE));
             let gap = Duration::from_secs_f64(1.0 / s.rate);
+            let window = self.credit_window(gap);
             let head = match s.next_time {
-                Some(t) if t + gap > now => t,
-                _ => now,
+                Some(t) if t + window > now => t,
+                _ => now.checked_sub(window - gap).unwrap_or(now),
             };
             let lead = if head >= now {
                 (head - now).as_secs_f64()
@@ -800,6 +827,12 @@ struct Samples {
 
 /// Dormant pacing: it counts, then wakes on the server's first rate-limit signal.
 impl Pacer {
+    /// How far behind its schedule the line may fall and still take the turns it missed at
+    /// once: one gap, or the configured burst.
+    fn credit_window(&self, gap: Duration) -> Duration {
+        gap.max(self.config.burst)
+    }
+
     /// Whether the pacing paces (it is not dormant): one load.
     #[inline]
     pub(crate) fn is_awake(&self) -> bool {
@@ -886,6 +919,8 @@ impl Pacer {
                 .clamp(self.config.min, self.config.max)
                 .min(s.ceiling(&self.config));
             s.slow_start = true;
+            // The turns start from now: no credit of turns not taken while it slept.
+            s.next_time = Some(Instant::now());
             self.wake_counts(&mut s, measured.map(|(_, first)| first));
             self.awake.store(true, Ordering::Release);
             s.epoch
@@ -909,6 +944,7 @@ impl Pacer {
             return;
         }
         s.rate = cap.min(self.config.max);
+        s.next_time = Some(Instant::now());
         let first = self
             .samples
             .lock()

@@ -372,14 +372,31 @@ impl Default for FleetBuilder {
     fn default() -> Self {
         FleetBuilder {
             budget: Some(BudgetConfig::default()),
-            gate: Some(GateConfig::default()),
-            pacing: Some(PacingConfig::new().dormant(true)),
+            gate: Some(default_gate()),
+            pacing: Some(default_pacing()),
             per_scope: None,
             #[cfg(feature = "fleet-redis")]
             redis: None,
         }
     }
 }
+
+/// The fleet's default gate: a `Retry-After` under 2 s (a token bucket's next token) is left
+/// to the pacing; a longer one holds every request.
+fn default_gate() -> GateConfig {
+    GateConfig::new().min_close(DEFAULT_MIN_CLOSE)
+}
+
+/// The fleet's default pacing: dormant until the server signals a limit, with a burst of 1 s.
+fn default_pacing() -> PacingConfig {
+    PacingConfig::new()
+        .dormant(true)
+        .burst(Duration::from_secs(1))
+        .expect("a burst within bounds")
+}
+
+/// The shortest `Retry-After` that closes the fleet's default gate.
+const DEFAULT_MIN_CLOSE: Duration = Duration::from_secs(2);
 
 impl Default for Fleet {
     /// The defaults of [`Fleet::builder`]: what a layer given no fleet builds.
