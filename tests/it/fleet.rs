@@ -1656,10 +1656,12 @@ fn a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes() {
         assert!(fleet.gate_config().is_some());
         assert_eq!(fleet.gate_closed_until(), None);
         assert_eq!(fleet.gate_closings(), Some(0));
-        assert_eq!(
-            fleet.pacing_config(),
-            Some(PacingConfig::new().dormant(true))
-        );
+        let pacing = PacingConfig::new()
+            .dormant(true)
+            .burst(Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(fleet.pacing_config(), Some(pacing));
+        assert_eq!(pacing.get_burst(), Duration::from_secs(1));
         assert!(fleet.pacing_config().unwrap().is_dormant());
         // Dormant: no pace to report.
         assert_eq!(fleet.pace(), None);
@@ -1716,13 +1718,13 @@ async fn the_default_layer_fronting_two_keys_holds_only_the_key_that_got_the_429
     assert_eq!(got.len(), 4);
     assert_eq!(got[0], ("sk-ant-key-a".into(), ms(0)));
     assert_eq!(got[1], ("sk-ant-key-b".into(), ms(0)));
-    // The retry and the held request as the gate reopens at 8 s, one pacing turn apart:
-    // the 429 woke key a's pacing, and at 50/s (the floor: it had measured one attempt).
-    let mut held: Vec<_> = got[2..].iter().map(|(_, at)| *at).collect();
-    held.sort();
+    // The retry and the held request as the gate reopens at 8 s. The 429 woke key a's
+    // pacing (at 50/s, its floor: it had measured one attempt), whose burst of 1 s lets
+    // both go after the quiet spell.
     assert!(got[2..].iter().all(|(key, _)| key == "sk-ant-key-a"));
-    assert!(held[0] >= ms(8_000) && held[0] <= ms(8_001), "{held:?}");
-    assert!(held[1] >= ms(8_020) && held[1] <= ms(8_021), "{held:?}");
+    for (_, at) in &got[2..] {
+        assert!(*at >= ms(8_000) && *at <= ms(8_001), "{got:?}");
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -1798,13 +1800,19 @@ async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
         .collect();
     got.sort();
     assert_eq!(got.len(), 20);
+    // The turns are kept to the schedule that started with the wake, 5 ms before the
+    // burst: the first goes at once, each next 1 / pace after the turn before it (the
+    // successes, each +0.05/s while others wait, move that by less than the timer's
+    // millisecond).
     assert_eq!(got[0], Duration::ZERO);
-    // Each 1 / pace after the one before (the successes, each +0.05/s while others wait,
-    // move it by less than the timer's millisecond).
+    let woke = origin - Duration::from_millis(5);
     let gap = 1.0 / pace;
-    for pair in got.windows(2) {
-        let d = (pair[1] - pair[0]).as_secs_f64();
-        assert!((d - gap).abs() <= 0.001, "{got:?}, gap {gap}");
+    for (k, at) in got.iter().enumerate().skip(1) {
+        let since_wake = (origin + *at - woke).as_secs_f64();
+        assert!(
+            (since_wake - k as f64 * gap).abs() <= 0.001,
+            "{got:?}, gap {gap}"
+        );
     }
     assert_eq!(server.request_count(), 422);
 }
@@ -1895,4 +1903,38 @@ async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(fleet.budget_stats().unwrap().first_attempts, 1);
     assert_eq!(fleet.scopes().len(), 4_096);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_pacing() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("1")))
+        .await
+        .unwrap();
+    let fleet = Fleet::default();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+    // A token bucket's next token: not a cooldown for everyone, but a rate-limit signal.
+    assert_eq!(scope.gate_closed_until(), None);
+    assert_eq!(scope.gate_closings(), Some(0));
+    assert_eq!(scope.pace(), Some(50.0));
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::ZERO);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The retry after its own Retry-After of 1 s.
+    assert_eq!(arrivals(&server, origin)[2], Duration::from_secs(1));
 }
