@@ -241,7 +241,7 @@ struct ScopeName {
 const MAX_SCOPES: usize = 4096;
 
 /// The request headers that carry an API credential.
-const CREDENTIAL_HEADERS: [http::HeaderName; 4] = [
+static CREDENTIAL_HEADERS: [http::HeaderName; 4] = [
     http::header::AUTHORIZATION,
     http::HeaderName::from_static("x-api-key"),
     http::HeaderName::from_static("api-key"),
@@ -717,20 +717,22 @@ impl Fleet {
         // Absolute times from the server are read against the server's own clock, its
         // `Date`, where it sent one: the host's clock skew then does not move the deadline.
         // (A wall clock set on the gate config, for tests, is used instead.)
-        let server_now = if gate.config.has_wall_clock() {
-            None
-        } else {
-            h.get(http::header::DATE)
-                .and_then(|d| d.to_str().ok())
-                .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+        // Parsed only when an absolute time is read: not on the success path.
+        let server_now = || {
+            if gate.config.has_wall_clock() {
+                None
+            } else {
+                h.get(http::header::DATE)
+                    .and_then(|d| d.to_str().ok())
+                    .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+            }
         };
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
             || status == crate::classify::STATUS_OVERLOADED
         {
+            let server_now = retry_after_is_a_date(h).then(server_now).flatten();
             let retry_after = match server_now {
-                Some(now) if retry_after_is_a_date(h) => {
-                    crate::classify::headers::parse_retry_after(h, now)
-                }
+                Some(now) => crate::classify::headers::parse_retry_after(h, now),
                 _ => retry_after,
             }
             .filter(honoured);
@@ -739,10 +741,10 @@ impl Fleet {
             }
         }
         if gate.config.reads_rate_limit_headers()
-            && (h.contains_key(crate::provider::ratelimit::ANTHROPIC_REQUESTS_REMAINING)
-                || h.contains_key(crate::provider::ratelimit::OPENAI_REQUESTS_REMAINING))
+            && (h.contains_key(&crate::provider::ratelimit::ANTHROPIC_REQUESTS_REMAINING_NAME)
+                || h.contains_key(&crate::provider::ratelimit::OPENAI_REQUESTS_REMAINING_NAME))
         {
-            let now = server_now.unwrap_or_else(|| gate.config.now());
+            let now = server_now().unwrap_or_else(|| gate.config.now());
             if let Some(wait) = crate::provider::ratelimit::requests_exhausted_for(h, now) {
                 self.close_gate(gate, wait.min(ceiling));
             }
