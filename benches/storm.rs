@@ -221,7 +221,7 @@ enum Limiter {
     },
     Outage,
     /// S5: no limit; a share of the answers fail at random.
-    Flaky(StdRng),
+    Flaky(Box<StdRng>),
 }
 
 /// What the server answers one attempt.
@@ -293,7 +293,7 @@ impl Sim {
                 used: 0,
             },
             Scenario::S4 => Limiter::Outage,
-            Scenario::S5 => Limiter::Flaky(StdRng::seed_from_u64(seed ^ 0x5eed_0503)),
+            Scenario::S5 => Limiter::Flaky(Box::new(StdRng::seed_from_u64(seed ^ 0x5eed_0503))),
         };
         let secs = scenario.seconds() as usize + 1;
         Arc::new(Sim {
