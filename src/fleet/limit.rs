@@ -92,7 +92,8 @@ use crate::retry::ConfigError;
 /// against 0.99 C, with three times the refusals).
 ///
 /// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05;
-/// stated limits read as per minute.
+/// stated limits read as per minute; not [dormant](PacingConfig::dormant), no
+/// [burst](PacingConfig::burst). The fleet's default pacing is dormant, with a burst of 1 s.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PacingConfig {
     initial: f64,
@@ -235,7 +236,7 @@ impl PacingConfig {
     }
 
     /// Whether the pacing sleeps until the server first signals a rate limit.
-    pub fn is_dormant(&self) -> bool {
+    pub fn get_dormant(&self) -> bool {
         self.dormant
     }
 

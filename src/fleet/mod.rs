@@ -1,7 +1,9 @@
-//! Fleet behaviour: the requests sent on one API key share a retry budget and, opt-in, a
-//! cooldown gate and an adaptive pacing, so that they behave as a well-mannered fleet rather
-//! than a retry storm. That state is a [`Fleet`]: built once, cloned into every layer that
-//! sends on the key, and readable while requests run.
+//! Fleet behaviour: the requests sent on one API key share a retry budget, a cooldown gate and
+//! an adaptive pacing, so that they behave as a well-mannered fleet rather than a retry storm.
+//! That state is a [`Fleet`]: built once, cloned into every layer that sends on the key, and
+//! readable while requests run. By default a fleet keeps it per scope (the upstream and a hash
+//! of the credential), so one layer may front several keys and upstreams without one key's
+//! `429` holding the others.
 //!
 //! Per-request retry alone turns an overload into a storm: each failed request retries, the
 //! retries add load, and an exact `Retry-After` sends everyone back in the same instant.
@@ -10,11 +12,13 @@
 //!   retry withdraws; retries the budget cannot pay for are not made. With the defaults,
 //!   retries add at most 20 % to the load, plus 10 a second. The accounting is
 //!   [`tower::retry::budget::TpsBudget`].
-//! - **Cooldown gate** ([`GateConfig`], off by default): a `429` or `529` with `Retry-After`,
+//! - **Cooldown gate** ([`GateConfig`], on by default for a `Retry-After` of 2 s or more): a
+//!   `429` or `529` with `Retry-After`,
 //!   or rate-limit headers saying no request is left ([below](#rate-limit-headers)), close the gate until
 //!   then; attempts about to be sent wait at the gate instead of hammering, and leave spread
 //!   over a window once it reopens. An open gate costs a request one atomic load.
-//! - **Adaptive pacing** ([`PacingConfig`], off by default): attempts leave evenly spaced, in
+//! - **Adaptive pacing** ([`PacingConfig`], on by default and [dormant](PacingConfig::dormant)
+//!   until the server signals a rate limit): attempts leave evenly spaced, in
 //!   arrival order, at a rate learned from the answers: slow start until the first refusal,
 //!   then a small increase per success and a multiplicative decrease per `429` or overload;
 //!   a long `Retry-After` is read as a quota and sets the rate that spreads it over its
@@ -29,25 +33,58 @@
 //!
 //! A [`Fleet`] is a handle on one state: its clones share it. Every layer given the same
 //! fleet ([`RetryLayer::fleet`](crate::RetryLayer::fleet)), the services they make, and their
-//! clones, share one budget, one gate and one pace, whichever client they sit in front of. A
-//! layer given none builds its own [`Fleet::default`] (the budget on, gate and pacing off);
-//! its clones keep sharing it, however they are re-configured. Two layers built separately
-//! without a fleet share nothing.
+//! clones, share one budget, one gate and one pace per scope, whichever client they sit in
+//! front of. A layer given none builds its own [`Fleet::default`]; its clones keep sharing
+//! it, however they are re-configured. Two layers built separately without a fleet share
+//! nothing.
+//!
+//! # The defaults
+//!
+//! A fleet built by default ([`Fleet::default`], [`Fleet::builder`], and the one a
+//! [`RetryLayer::new`](crate::RetryLayer::new) builds for itself) has the budget, the gate
+//! (for a `Retry-After` of 2 s or more), a dormant pacing with a burst of 1 s, and a state
+//! per scope. Where no limit is met that costs nothing but the bookkeeping: the gate is
+//! open, the pacing limits nothing until the server signals a rate limit (a `429` or `529`,
+//! or a stated request limit; a random `503` is none), and then starts from the rate it
+//! measured over the last second. On the success path, in memory, the defaults cost about
+//! 700 instructions a request more than the budget alone (the scope's hash and lookup, the
+//! rate-limit headers read on the answer); an open gate is one atomic load, a dormant pacing
+//! a load and an atomic add. In the storm bench they turn S1 (1,000 clients against a token
+//! bucket) from 5.4 % success at 22 attempts per success into 100 % at 1.01, lose nothing in
+//! S4 (an outage) and S5 (random `503`s, no limit), and at the knee (S6, demand at the
+//! limit) keep goodput (0.978 C against 0.977 C) and succeed for every request where the
+//! budget alone fails 0.6 % (its p99 is 5.5 s, against 2.0 s for the requests the budget
+//! alone gets through). The earlier defaults, the budget alone and one state:
+//!
+//! ```
+//! use tower_llm_retry::fleet::Fleet;
+//! use tower_llm_retry::RetryLayer;
+//!
+//! let old = Fleet::builder()
+//!     .cooldown_gate(None)
+//!     .pacing(None)
+//!     .per_scope(false)
+//!     .build();
+//! let layer = RetryLayer::new().fleet(old);
+//! # let _ = layer;
+//! ```
 //!
 //! # Configuration
 //!
 //! | setting | default | change with |
 //! |---|---|---|
 //! | retry budget | on: deposits count for 10 s, 10 retries a second whatever the traffic, plus 20 % of first attempts; in any 10 s, at most `10 × 10 + 0.2 × first attempts` retries ([`BudgetConfig::max_retries`]) | [`FleetBuilder::budget`] with [`BudgetConfig::new(ttl, min_per_sec, ratio)`](BudgetConfig::new), or `None` to turn it off |
-//! | cooldown gate | off | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] |
-//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (default zero: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
+//! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] (every `Retry-After` closes it), or `None` to turn it off |
+//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s in the fleet's default gate; zero in [`GateConfig::new`]: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`](crate::retry::Random) | [`GateConfig::spread`] |
-//! | adaptive pacing | off | [`FleetBuilder::pacing`] with [`PacingConfig::new`] |
-//! | pacing: rate | starts at 50 requests/s, kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
+//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429`, `529` or stated request limit (a `5xx` without it neither wakes nor slows it); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s; woken by a stated limit, at its cap | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
+//! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
+//! | pacing: burst | 1 s in the fleet's default (after a quiet spell, up to `rate × 1 s` attempts leave at once); zero in [`PacingConfig::new`] | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
 //! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
+//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (those beyond share the fleet's own state); off for a fleet given a Redis store, whose store names the scope | [`FleetBuilder::per_scope`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -138,12 +175,15 @@ let layer = RetryLayer::new().fleet(fleet);
 ```"#
 )]
 //!
-//! # Why the gate and the pacing are opt-in
+//! # One gate per scope
 //!
-//! One gate, and one pace, hold every request of their fleet. That is right when the fleet's
-//! requests share a rate limit (one key, one upstream), and wrong when one fleet fronts
-//! several providers or keys: a `429` from one would hold the others. Build one fleet per key,
-//! then turn them on.
+//! One gate, and one pace, hold every request of their state. That is right when the state's
+//! requests share a rate limit (one key, one upstream), and wrong when one state fronts
+//! several providers or keys: a `429` from one would hold the others. So a fleet keeps a
+//! state per scope by default: the upstream (the request URI's authority) and a hash of the
+//! credential header (`authorization`, `x-api-key`, `api-key`, `x-goog-api-key`). A
+//! credential set by an inner [`AuthLayer`](crate::AuthLayer) is not seen: such requests are
+//! scoped by upstream.
 //!
 //! # Differences from `tower::retry` with a budget
 //!

@@ -1662,7 +1662,7 @@ fn a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes() {
             .unwrap();
         assert_eq!(fleet.pacing_config(), Some(pacing));
         assert_eq!(pacing.get_burst(), Duration::from_secs(1));
-        assert!(fleet.pacing_config().unwrap().is_dormant());
+        assert!(fleet.pacing_config().unwrap().get_dormant());
         // Dormant: no pace to report.
         assert_eq!(fleet.pace(), None);
         assert_eq!(fleet.pacing_refused(), Some(0));
