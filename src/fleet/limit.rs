@@ -1503,4 +1503,67 @@ mod tests {
         assert_eq!(p.lock().front(), (None, None));
         assert_eq!(p.refused(), 1);
     }
+
+    /// A dormant pacing that counted `n` attempts, one every `every`.
+    async fn dormant_after(n: u64, every: Duration) -> Pacer {
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        for _ in 0..n {
+            assert!(!p.is_awake());
+            p.dormant_send();
+            tokio::time::advance(every).await;
+        }
+        p
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dormant_pacing_wakes_at_the_rate_it_measured_halved() {
+        // 500/s for 12 s; a refusal with a short Retry-After.
+        let p = dormant_after(6_000, Duration::from_millis(2)).await;
+        p.wake_on_refusal(Some(Duration::from_secs(1)));
+        assert!(p.is_awake());
+        assert!((p.rate() - 250.0).abs() < 1e-6, "{}", p.rate());
+        // Out of slow start: the next refusal is the usual decrease.
+        let t = p.ticket();
+        let (_, w) = counting();
+        let Turn::Go(epoch) = p.poll_turn(t, &w) else {
+            panic!("the first turn after the wake goes at once");
+        };
+        p.on_refusal(epoch, None);
+        assert!((p.rate() - 250.0 * 0.95).abs() < 1e-6, "{}", p.rate());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dormant_pacing_woken_by_a_quota_reads_it_from_everything_it_counted() {
+        // 6,000 in 12 s, then the window's 429 with 48 s to its reset: 6,000 per 60 s.
+        let p = dormant_after(6_000, Duration::from_millis(2)).await;
+        p.wake_on_refusal(Some(Duration::from_secs(48)));
+        assert!((p.rate() - 100.0).abs() < 1e-6, "{}", p.rate());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_or_slow_dormant_fleet_wakes_no_lower_than_initial() {
+        // 3 attempts, then a 429: three in a second is no measure of the server.
+        let p = dormant_after(3, Duration::from_millis(10)).await;
+        p.wake_on_refusal(None);
+        assert_eq!(p.rate(), 50.0);
+        // None counted at all: the same.
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        p.wake_on_refusal(None);
+        assert_eq!(p.rate(), 50.0);
+    }
+
+    #[test]
+    fn a_stated_limit_wakes_a_dormant_pacing_at_its_cap_and_a_pacing_not_dormant_is_awake() {
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        assert!(!p.is_awake());
+        // No limit in force: nothing to wake on.
+        p.wake_on_limit();
+        assert!(!p.is_awake());
+        p.on_limit(600);
+        p.wake_on_limit();
+        assert!(p.is_awake());
+        assert_eq!(p.rate(), 10.0);
+        assert!(Pacer::new(PacingConfig::new()).is_awake());
+        assert!(PacingConfig::new().burst(Duration::from_secs(61)).is_err());
+    }
 }
