@@ -21,6 +21,14 @@
 //!   (no `retry-after`) from 60 s to 120 s. 4 simulated minutes. `C` is the offered 500/s.
 //!   Recovery is the first second after the outage from which a client period (2 s) holds
 //!   90 % of its offered load in successes.
+//! - **S5**: no rate limit; a server that would take 1,000 requests/s (`C`), offered half of
+//!   it (clients paced to 500 requests/s, as in S4); 1 % of answers, at random, are `503`
+//!   without `retry-after`. 4 simulated minutes. What the fleet features cost where nothing
+//!   limits the rate.
+//! - **S6**, the knee: S1's token bucket (100 requests/s, burst 100, `429` with
+//!   `retry-after`), offered exactly `C` on average: each client starts a request at
+//!   exponential intervals of mean 10 s (at once, when its last one took longer), so the
+//!   arrivals are Poisson at 100/s and now and then outrun the bucket. 10 simulated minutes.
 //!
 //! Besides the table, S1 and S2 report the peak after the first refusal: in S2 the first
 //! window admits everything, so until its quota runs out the fleet's demand (1,000 clients
@@ -39,11 +47,17 @@
 //!   little from run to run; the others are determined by the seed.
 //! - `official_sdk`: the official Anthropic / OpenAI SDKs' published loop: 2 retries,
 //!   `min(0.5 s · 2^n, 8 s) × (1 − 0.25 · U)`, a `retry-after` honoured when 0 < x ≤ 60 s.
-//! - `default`: this crate's `RetryLayer::new()` as shipped (default policy, retry budget on,
-//!   cooldown gate off).
-//! - `default_gate_budget`: the same with the fleet features on: the cooldown gate and the
-//!   adaptive pacing (`Fleet::builder().cooldown_gate(Some(GateConfig::default()))
-//!   .pacing(Some(PacingConfig::default()))`), budget as shipped.
+//! - `old_default`: this crate's layer as shipped before the fleet features were on by
+//!   default: default policy, retry budget on, cooldown gate and pacing off, one state
+//!   (`Fleet::builder().cooldown_gate(None).pacing(None).per_scope(false)`).
+//! - `default`: `RetryLayer::new()` as shipped: default policy, retry budget, the cooldown
+//!   gate for a `Retry-After` of 2 s or more, a dormant pacing (no pacing until the first
+//!   `429` / `529` or stated limit, then from the rate measured over the last second, with
+//!   a burst of 1 s), a state per scope.
+//! - `default_gate_budget`: the budget with the cooldown gate and the adaptive pacing as
+//!   configured explicitly (`.cooldown_gate(Some(GateConfig::default()))
+//!   .pacing(Some(PacingConfig::default()))`): every `Retry-After` closes the gate, and the
+//!   pacing paces from the first attempt, starting at 50 requests/s in slow start.
 //!
 //! This crate's rows drive the real `RetryLayer` over an in-memory `tower::Service` that is the
 //! simulated server, so the budget and the gate run for real; every client clones one service.
@@ -80,6 +94,9 @@ const CLIENTS: usize = 1_000;
 const SUCCESS_LATENCY: Duration = Duration::from_secs(2);
 const ERROR_LATENCY: Duration = Duration::from_millis(200);
 const S4_PERIOD: Duration = Duration::from_secs(2);
+const S6_PERIOD: Duration = Duration::from_secs(10);
+/// S5: the share of answers that are a `503`.
+const S5_FAILURES: f64 = 0.01;
 const S4_OUTAGE: (u64, u64) = (60, 120);
 const SEED: u64 = 42;
 
@@ -88,13 +105,21 @@ enum Scenario {
     S1,
     S2,
     S4,
+    S5,
+    S6,
     /// S2 with the rate-limit headers real APIs send on every answer. Not one of the
     /// scenarios of `storm.json`: reported beside it.
     S2Headers,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 3] = [Scenario::S1, Scenario::S2, Scenario::S4];
+    const ALL: [Scenario; 5] = [
+        Scenario::S1,
+        Scenario::S2,
+        Scenario::S4,
+        Scenario::S5,
+        Scenario::S6,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -102,13 +127,15 @@ impl Scenario {
             Scenario::S2 => "S2",
             Scenario::S2Headers => "S2 + headers",
             Scenario::S4 => "S4",
+            Scenario::S5 => "S5",
+            Scenario::S6 => "S6",
         }
     }
 
     fn seconds(self) -> u64 {
         match self {
-            Scenario::S1 | Scenario::S2 | Scenario::S2Headers => 600,
-            Scenario::S4 => 240,
+            Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 600,
+            Scenario::S4 | Scenario::S5 => 240,
         }
     }
 
@@ -116,8 +143,19 @@ impl Scenario {
     /// offered load.
     fn capacity(self) -> f64 {
         match self {
-            Scenario::S1 | Scenario::S2 | Scenario::S2Headers => 100.0,
+            Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 100.0,
             Scenario::S4 => 500.0,
+            Scenario::S5 => 1_000.0,
+        }
+    }
+
+    /// The period of each client's ticks, when the clients are paced (the others send their
+    /// next request as soon as the last one ends); in S6 the mean of exponential gaps.
+    fn period(self) -> Option<Duration> {
+        match self {
+            Scenario::S4 | Scenario::S5 => Some(S4_PERIOD),
+            Scenario::S6 => Some(S6_PERIOD),
+            _ => None,
         }
     }
 }
@@ -128,16 +166,18 @@ enum Policy {
     TowerRetry,
     ReqwestRetry,
     OfficialSdk,
+    OldDefault,
     Default,
     DefaultGateBudget,
 }
 
 impl Policy {
-    const ALL: [Policy; 6] = [
+    const ALL: [Policy; 7] = [
         Policy::NoRetry,
         Policy::TowerRetry,
         Policy::ReqwestRetry,
         Policy::OfficialSdk,
+        Policy::OldDefault,
         Policy::Default,
         Policy::DefaultGateBudget,
     ];
@@ -148,6 +188,7 @@ impl Policy {
             Policy::TowerRetry => "tower_retry",
             Policy::ReqwestRetry => "reqwest_retry",
             Policy::OfficialSdk => "official_sdk",
+            Policy::OldDefault => "old_default",
             Policy::Default => "default",
             Policy::DefaultGateBudget => "default_gate_budget",
         }
@@ -159,6 +200,7 @@ impl Policy {
             Policy::TowerRetry => "#d62728",
             Policy::ReqwestRetry => "#ff7f0e",
             Policy::OfficialSdk => "#9467bd",
+            Policy::OldDefault => "#17becf",
             Policy::Default => "#1f77b4",
             Policy::DefaultGateBudget => "#2ca02c",
         }
@@ -169,9 +211,17 @@ impl Policy {
 // The simulated server.
 
 enum Limiter {
-    TokenBucket { tokens: f64, at: Instant },
-    Window { started: Instant, used: u32 },
+    TokenBucket {
+        tokens: f64,
+        at: Instant,
+    },
+    Window {
+        started: Instant,
+        used: u32,
+    },
     Outage,
+    /// S5: no limit; a share of the answers fail at random.
+    Flaky(Box<StdRng>),
 }
 
 /// What the server answers one attempt.
@@ -231,10 +281,10 @@ struct Sim {
 }
 
 impl Sim {
-    fn new(scenario: Scenario) -> Arc<Self> {
+    fn new(scenario: Scenario, seed: u64) -> Arc<Self> {
         let start = Instant::now();
         let limiter = match scenario {
-            Scenario::S1 => Limiter::TokenBucket {
+            Scenario::S1 | Scenario::S6 => Limiter::TokenBucket {
                 tokens: 100.0,
                 at: start,
             },
@@ -243,6 +293,7 @@ impl Sim {
                 used: 0,
             },
             Scenario::S4 => Limiter::Outage,
+            Scenario::S5 => Limiter::Flaky(Box::new(StdRng::seed_from_u64(seed ^ 0x5eed_0503))),
         };
         let secs = scenario.seconds() as usize + 1;
         Arc::new(Sim {
@@ -329,6 +380,13 @@ impl Sim {
                 Reply::refused(StatusCode::SERVICE_UNAVAILABLE, None)
             }
             Limiter::Outage => Reply::ok(),
+            Limiter::Flaky(rng) => {
+                if rng.random::<f64>() < S5_FAILURES {
+                    Reply::refused(StatusCode::SERVICE_UNAVAILABLE, None)
+                } else {
+                    Reply::ok()
+                }
+            }
         }
     }
 
@@ -516,6 +574,18 @@ impl Runner {
                 Runner::Reqwest(ReqwestBackoff::builder().build_with_max_retries(3))
             }
             Policy::OfficialSdk => Runner::Sdk,
+            Policy::OldDefault => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .fleet(
+                        Fleet::builder()
+                            .cooldown_gate(None)
+                            .pacing(None)
+                            .per_scope(false)
+                            .build(),
+                    )
+                    .layer(SimService(sim.clone())),
+            ),
             Policy::Default => Runner::Layer(
                 RetryLayer::new()
                     .policy(ours())
@@ -636,12 +706,14 @@ fn simulate(scenario: Scenario, policy: Policy, seed: u64) -> Outcome {
         .build()
         .expect("runtime");
     let sim = rt.block_on(async {
-        let sim = Sim::new(scenario);
+        let sim = Sim::new(scenario, seed);
         let end = sim.start + Duration::from_secs(scenario.seconds());
         let runner = Arc::new(Runner::new(policy, &sim, seed));
         let mut offsets = StdRng::seed_from_u64(seed);
         for client in 0..CLIENTS {
-            let offset = Duration::from_secs_f64(offsets.random::<f64>() * 2.0);
+            // Within the first 2 s, or over a client's period when it is longer.
+            let spread = scenario.period().map_or(2.0, |p| p.as_secs_f64().max(2.0));
+            let offset = Duration::from_secs_f64(offsets.random::<f64>() * spread);
             let sim = sim.clone();
             let runner = runner.clone();
             let mut rng = StdRng::seed_from_u64(seed ^ (client as u64 + 1).wrapping_mul(0x9E37));
@@ -659,8 +731,15 @@ fn simulate(scenario: Scenario, policy: Policy, seed: u64) -> Outcome {
                         sim.completed(client, started, ok);
                     }
                     k += 1;
-                    if scenario == Scenario::S4 {
-                        tokio::time::sleep_until(started + S4_PERIOD).await;
+                    if let Some(period) = scenario.period() {
+                        // S6: Poisson arrivals, exponential gaps of mean `period` between a
+                        // client's starts, so that demand at `C` fluctuates around it.
+                        let gap = if scenario == Scenario::S6 {
+                            period.mul_f64(-(1.0 - rng.random::<f64>()).ln())
+                        } else {
+                            period
+                        };
+                        tokio::time::sleep_until(started + gap).await;
                     }
                 }
             });
@@ -701,7 +780,11 @@ fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
             .windows(period)
             .position(|w| w.iter().map(|&n| f64::from(n)).sum::<f64>() >= 0.9 * c * period as f64)
             .map(|i| i as f64);
-        let allowance = matches!(policy, Policy::Default | Policy::DefaultGateBudget).then(|| {
+        let allowance = matches!(
+            policy,
+            Policy::OldDefault | Policy::Default | Policy::DefaultGateBudget
+        )
+        .then(|| {
             // What the budget can pay for over the outage: its reserve for every ttl window
             // the outage touches, and its ratio of the first attempts it remembers.
             let b = BudgetConfig::default();
@@ -946,15 +1029,15 @@ fn main() {
     println!("{}", table(&outcomes, &Scenario::ALL));
     // S2 again, the server now sending the rate-limit headers real APIs send on every answer
     // (limit, remaining, reset): only the fleet features read them.
-    let with_headers = simulate(Scenario::S2Headers, Policy::DefaultGateBudget, seed);
-    println!(
-        "{}",
-        table(std::slice::from_ref(&with_headers), &[Scenario::S2Headers])
-    );
+    let with_headers: Vec<Outcome> = [Policy::Default, Policy::DefaultGateBudget]
+        .into_iter()
+        .map(|policy| simulate(Scenario::S2Headers, policy, seed))
+        .collect();
+    println!("{}", table(&with_headers, &[Scenario::S2Headers]));
     for o in outcomes
         .iter()
-        .chain([&with_headers])
-        .filter(|o| o.scenario != Scenario::S4)
+        .chain(&with_headers)
+        .filter(|o| !matches!(o.scenario, Scenario::S4 | Scenario::S5))
     {
         if let Some(peak) = o.peak_after_refusal {
             println!(

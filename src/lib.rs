@@ -89,10 +89,10 @@
 //! idempotent from running twice.
 //!
 //! Every service made from one layer (and their clones) shares a retry budget, so a fleet of
-//! requests cannot multiply an outage, and, opt-in, a cooldown gate that holds every request
-//! while the server has said "come back at T" and an adaptive pacing that spreads attempts at
-//! the rate the server admits. Several layers share them when given one [`Fleet`]. See
-//! [`fleet`].
+//! requests cannot multiply an outage, a cooldown gate that holds every request while the
+//! server has said "come back at T", and an adaptive pacing that, from the server's first
+//! rate-limit signal, spreads attempts at the rate the server admits; each kept per upstream
+//! and credential. Several layers share them when given one [`Fleet`]. See [`fleet`].
 //!
 //! # Defaults
 //!

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::f64::consts::LN_2;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::task::Waker;
 use std::time::Duration;
@@ -92,7 +92,8 @@ use crate::retry::ConfigError;
 /// against 0.99 C, with three times the refusals).
 ///
 /// Defaults: start at 50 requests/s, between 1 and 10,000; `decrease` 0.95; `growth` 0.05;
-/// stated limits read as per minute.
+/// stated limits read as per minute; not [dormant](PacingConfig::dormant), no
+/// [burst](PacingConfig::burst). The fleet's default pacing is dormant, with a burst of 1 s.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PacingConfig {
     initial: f64,
@@ -101,6 +102,8 @@ pub struct PacingConfig {
     decrease: f64,
     growth: f64,
     limit_period: Option<Duration>,
+    dormant: bool,
+    burst: Duration,
 }
 
 impl Default for PacingConfig {
@@ -112,6 +115,8 @@ impl Default for PacingConfig {
             decrease: 0.95,
             growth: 0.05,
             limit_period: Some(Duration::from_secs(60)),
+            dormant: false,
+            burst: Duration::ZERO,
         }
     }
 }
@@ -177,6 +182,64 @@ impl PacingConfig {
         }
         self.limit_period = period;
         Ok(self)
+    }
+
+    /// Whether the pacing sleeps until the server first signals a rate limit.
+    ///
+    /// Dormant, it limits nothing: attempts leave as they come, and the pacing only counts
+    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes on the first
+    /// rate-limit signal of the server: a `429` or `529` answer, or a response stating its
+    /// request limit. A `5xx` without it (a random `503`) does not wake it, nor, once
+    /// awake, slow it.
+    ///
+    /// - Woken by a `429` / `529`, it starts from the rate it measured over the last second
+    ///   (attempts counted since the newest timestamp at least a second old, over the time
+    ///   since; over a whole second when the fleet is younger than that), treated as the
+    ///   rate at the end of slow start: the refusal halves it, though not below `initial`
+    ///   (a fleet that sent a few attempts has measured nothing of what the server takes),
+    ///   a long `Retry-After` is read as a quota of every attempt sent since the first, and
+    ///   the rate goes on from there as after any first refusal (`growth` per success,
+    ///   `decrease` per refusal).
+    /// - Woken by a stated limit, it starts at the limit's cap (`limit / period`).
+    ///
+    /// So a client that never meets a limit is never slowed, and one that does is paced
+    /// from what it was actually sending rather than from [`initial`](PacingConfig::rates).
+    /// Across processes (the `fleet-redis` feature), each process wakes on its own answers.
+    /// The fleet's default pacing is `PacingConfig::new().dormant(true)` with a
+    /// [burst](PacingConfig::burst) of 1 s. Defaults to false: the pacing paces from the
+    /// first attempt, at `initial`.
+    pub fn dormant(mut self, yes: bool) -> Self {
+        self.dormant = yes;
+        self
+    }
+
+    /// The turns a quiet spell leaves in hand, as a span of time: after a spell with no one
+    /// in line, up to `burst × rate` attempts may leave at once before the spacing resumes,
+    /// as a token bucket of that depth lets them. A server's limiter that allows a burst
+    /// (a token bucket's depth, a window's quota) takes it; evenly spaced attempts alone
+    /// would turn every burst of demand into a queue (in the storm bench's S6, demand at the
+    /// limit, the fleet's default pacing with a gate closed by every `Retry-After`: 0.935 C
+    /// of goodput without it, 0.966 C with 1 s). At most 60 s. Defaults to
+    /// zero: at most one gap's turn is made up (the schedule is kept when a turn is taken a
+    /// little late). The fleet's default pacing has 1 s.
+    pub fn burst(mut self, span: Duration) -> Result<Self, ConfigError> {
+        if span > Duration::from_secs(60) {
+            return Err(ConfigError::new(format!(
+                "the pacing burst must be at most 60 s, got {span:?}"
+            )));
+        }
+        self.burst = span;
+        Ok(self)
+    }
+
+    /// The span of turns a quiet spell leaves in hand.
+    pub fn get_burst(&self) -> Duration {
+        self.burst
+    }
+
+    /// Whether the pacing sleeps until the server first signals a rate limit.
+    pub fn get_dormant(&self) -> bool {
+        self.dormant
     }
 
     /// The rate it starts from.
@@ -408,6 +471,12 @@ pub(crate) struct Pacer {
     stated_limit: AtomicU64,
     // Attempts that gave up because their turn would come later than they may wait.
     refused: AtomicU64,
+    // Set once the pacing paces: from the start, or, when dormant, from the server's first
+    // rate-limit signal. Read on every attempt.
+    awake: AtomicBool,
+    // While dormant: the attempts sent, and samples of that count, for the rate to wake at.
+    dormant_sends: AtomicU64,
+    samples: Mutex<Samples>,
 }
 
 impl fmt::Debug for Pacer {
@@ -468,6 +537,9 @@ impl Pacer {
             }),
             stated_limit: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            awake: AtomicBool::new(!config.dormant),
+            dormant_sends: AtomicU64::new(0),
+            samples: Mutex::new(Samples::default()),
         }
     }
 
@@ -528,9 +600,10 @@ impl Pacer {
             // Turns keep to their schedule even when taken a little late (a timer fires on a
             // millisecond), so the average rate is the rate; after a quiet spell longer than
             // a gap the schedule starts again from now.
+            let window = self.credit_window(gap);
             let head = match s.next_time {
-                Some(t) if t + gap > now => t,
-                _ => now,
+                Some(t) if t + window > now => t,
+                _ => now.checked_sub(window - gap).unwrap_or(now),
             };
             if head <= now {
                 // Slow start: while the line is longer than the rate lets through and no
@@ -570,9 +643,10 @@ impl Pacer {
                 .ok()
                 .and_then(|ahead| due.checked_add(ahead + HEAD_GRACE));
             let gap = Duration::from_secs_f64(1.0 / s.rate);
+            let window = self.credit_window(gap);
             let head = match s.next_time {
-                Some(t) if t + gap > now => t,
-                _ => now,
+                Some(t) if t + window > now => t,
+                _ => now.checked_sub(window - gap).unwrap_or(now),
             };
             let lead = if head >= now {
                 (head - now).as_secs_f64()
@@ -743,6 +817,157 @@ impl Pacer {
         }
     }
 }
+
+/// Timestamps of the count of attempts a dormant pacing saw go out.
+#[derive(Debug, Default)]
+struct Samples {
+    /// The instant of the first attempt.
+    first: Option<Instant>,
+    /// `(instant, attempts before it)`, oldest first: the newest at least [`RATE_WINDOW`]
+    /// old, and those after it.
+    ring: VecDeque<(Instant, u64)>,
+}
+
+/// Dormant pacing: it counts, then wakes on the server's first rate-limit signal.
+impl Pacer {
+    /// How far behind its schedule the line may fall and still take the turns it missed at
+    /// once: one gap, or the configured burst.
+    fn credit_window(&self, gap: Duration) -> Duration {
+        gap.max(self.config.burst)
+    }
+
+    /// Whether the pacing paces (it is not dormant): one load.
+    #[inline]
+    pub(crate) fn is_awake(&self) -> bool {
+        self.awake.load(Ordering::Acquire)
+    }
+
+    /// An attempt went out while the pacing was dormant.
+    #[inline]
+    pub(crate) fn dormant_send(&self) {
+        let n = self.dormant_sends.fetch_add(1, Ordering::Relaxed);
+        if n % SAMPLE_EVERY == 0 {
+            self.sample(n);
+        }
+    }
+
+    #[cold]
+    fn sample(&self, before: u64) {
+        let now = Instant::now();
+        let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        samples.first.get_or_insert(now);
+        let ring = &mut samples.ring;
+        if ring
+            .back()
+            .is_some_and(|&(t, _)| now.saturating_duration_since(t) < SAMPLE_SPACING)
+        {
+            return;
+        }
+        ring.push_back((now, before));
+        // One sample a whole window old is enough to measure the last second from.
+        while ring.len() > 1 && ring[1].0 + RATE_WINDOW <= now {
+            ring.pop_front();
+        }
+        if ring.len() > MAX_SAMPLES {
+            ring.pop_front();
+        }
+    }
+
+    /// The rate attempts went out at over the last second, as of `now`: those counted since
+    /// the newest sample at least a second old, over the time since it (or over a second,
+    /// when the fleet is younger), and when the first went out. `None` before any attempt.
+    fn measured(&self, now: Instant) -> Option<(f64, Instant)> {
+        let total = self.dormant_sends.load(Ordering::Relaxed);
+        let samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        let first = samples.first?;
+        let &(at, before) = samples
+            .ring
+            .iter()
+            .rev()
+            .find(|&&(t, _)| t + RATE_WINDOW <= now)
+            .or_else(|| samples.ring.front())?;
+        let span = now.saturating_duration_since(at).max(RATE_WINDOW);
+        Some((
+            total.saturating_sub(before) as f64 / span.as_secs_f64(),
+            first,
+        ))
+    }
+
+    /// Takes what the dormant pacing counted into the state it wakes with: the quota
+    /// reading of a long `Retry-After` counts every attempt since the first.
+    fn wake_counts(&self, s: &mut State, first: Option<Instant>) {
+        s.sent = self.dormant_sends.load(Ordering::Relaxed);
+        s.since = first.or(s.since);
+    }
+
+    /// A dormant pacing wakes on a refusal for load (`429`, `529`) with the server's
+    /// `retry_after`: from the rate measured over the last second, as if slow start had
+    /// reached it, the refusal then taken as slow start's end. No-op once awake.
+    pub(crate) fn wake_on_refusal(&self, retry_after: Option<Duration>) {
+        if self.is_awake() {
+            return;
+        }
+        let epoch = {
+            let mut s = self.lock();
+            if self.is_awake() {
+                return;
+            }
+            let measured = self.measured(Instant::now());
+            // What a fleet that sent only a few attempts measures says nothing of what the
+            // server takes: once halved, the rate is not below `initial`, the pace an eager
+            // pacing starts from.
+            let floor = self.config.initial / self.config.decrease.min(0.5);
+            let rate = measured.map_or(floor, |(r, _)| r.max(floor));
+            s.rate = rate
+                .clamp(self.config.min, self.config.max)
+                .min(s.ceiling(&self.config));
+            s.slow_start = true;
+            // The turns start from now: no credit of turns not taken while it slept.
+            s.next_time = Some(Instant::now());
+            self.wake_counts(&mut s, measured.map(|(_, first)| first));
+            self.awake.store(true, Ordering::Release);
+            s.epoch
+        };
+        self.on_refusal(epoch, retry_after);
+        tracing::debug!(rate = self.rate(), "pacing woken by a refusal for load");
+    }
+
+    /// A dormant pacing wakes on a stated request limit (already taken in by
+    /// [`on_limit`](Pacer::on_limit)): at its cap. No-op once awake, or with no limit in
+    /// force.
+    pub(crate) fn wake_on_limit(&self) {
+        if self.is_awake() {
+            return;
+        }
+        let mut s = self.lock();
+        let Some(cap) = s.stated else {
+            return;
+        };
+        if self.is_awake() {
+            return;
+        }
+        s.rate = cap.min(self.config.max);
+        s.next_time = Some(Instant::now());
+        let first = self
+            .samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .first;
+        self.wake_counts(&mut s, first);
+        self.awake.store(true, Ordering::Release);
+        drop(s);
+        tracing::debug!(rate = cap, "pacing woken by a stated request limit");
+    }
+}
+
+/// A dormant pacing timestamps its count of attempts every this many.
+const SAMPLE_EVERY: u64 = 16;
+/// ... and no more often than this.
+const SAMPLE_SPACING: Duration = Duration::from_millis(50);
+/// The window a dormant pacing measures the rate it wakes at over.
+const RATE_WINDOW: Duration = Duration::from_secs(1);
+/// The most timestamps kept (at one per [`SAMPLE_SPACING`], a window holds about 20).
+const MAX_SAMPLES: usize = 64;
 
 /// The lowest rate there is (one request in 1,000 s), so that `1 / rate` stays a duration.
 const MIN_RATE: f64 = 0.001;
@@ -1277,5 +1502,68 @@ mod tests {
         assert_eq!(p.refuse(c), 1);
         assert_eq!(p.lock().front(), (None, None));
         assert_eq!(p.refused(), 1);
+    }
+
+    /// A dormant pacing that counted `n` attempts, one every `every`.
+    async fn dormant_after(n: u64, every: Duration) -> Pacer {
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        for _ in 0..n {
+            assert!(!p.is_awake());
+            p.dormant_send();
+            tokio::time::advance(every).await;
+        }
+        p
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dormant_pacing_wakes_at_the_rate_it_measured_halved() {
+        // 500/s for 12 s; a refusal with a short Retry-After.
+        let p = dormant_after(6_000, Duration::from_millis(2)).await;
+        p.wake_on_refusal(Some(Duration::from_secs(1)));
+        assert!(p.is_awake());
+        assert!((p.rate() - 250.0).abs() < 1e-6, "{}", p.rate());
+        // Out of slow start: the next refusal is the usual decrease.
+        let t = p.ticket();
+        let (_, w) = counting();
+        let Turn::Go(epoch) = p.poll_turn(t, &w) else {
+            panic!("the first turn after the wake goes at once");
+        };
+        p.on_refusal(epoch, None);
+        assert!((p.rate() - 250.0 * 0.95).abs() < 1e-6, "{}", p.rate());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dormant_pacing_woken_by_a_quota_reads_it_from_everything_it_counted() {
+        // 6,000 in 12 s, then the window's 429 with 48 s to its reset: 6,000 per 60 s.
+        let p = dormant_after(6_000, Duration::from_millis(2)).await;
+        p.wake_on_refusal(Some(Duration::from_secs(48)));
+        assert!((p.rate() - 100.0).abs() < 1e-6, "{}", p.rate());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_or_slow_dormant_fleet_wakes_no_lower_than_initial() {
+        // 3 attempts, then a 429: three in a second is no measure of the server.
+        let p = dormant_after(3, Duration::from_millis(10)).await;
+        p.wake_on_refusal(None);
+        assert_eq!(p.rate(), 50.0);
+        // None counted at all: the same.
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        p.wake_on_refusal(None);
+        assert_eq!(p.rate(), 50.0);
+    }
+
+    #[test]
+    fn a_stated_limit_wakes_a_dormant_pacing_at_its_cap_and_a_pacing_not_dormant_is_awake() {
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        assert!(!p.is_awake());
+        // No limit in force: nothing to wake on.
+        p.wake_on_limit();
+        assert!(!p.is_awake());
+        p.on_limit(600);
+        p.wake_on_limit();
+        assert!(p.is_awake());
+        assert_eq!(p.rate(), 10.0);
+        assert!(Pacer::new(PacingConfig::new()).is_awake());
+        assert!(PacingConfig::new().burst(Duration::from_secs(61)).is_err());
     }
 }

@@ -1,7 +1,9 @@
-//! Fleet behaviour: the requests sent on one API key share a retry budget and, opt-in, a
-//! cooldown gate and an adaptive pacing, so that they behave as a well-mannered fleet rather
-//! than a retry storm. That state is a [`Fleet`]: built once, cloned into every layer that
-//! sends on the key, and readable while requests run.
+//! Fleet behaviour: the requests sent on one API key share a retry budget, a cooldown gate and
+//! an adaptive pacing, so that they behave as a well-mannered fleet rather than a retry storm.
+//! That state is a [`Fleet`]: built once, cloned into every layer that sends on the key, and
+//! readable while requests run. By default a fleet keeps it per scope (the upstream and a hash
+//! of the credential), so one layer may front several keys and upstreams without one key's
+//! `429` holding the others.
 //!
 //! Per-request retry alone turns an overload into a storm: each failed request retries, the
 //! retries add load, and an exact `Retry-After` sends everyone back in the same instant.
@@ -10,11 +12,13 @@
 //!   retry withdraws; retries the budget cannot pay for are not made. With the defaults,
 //!   retries add at most 20 % to the load, plus 10 a second. The accounting is
 //!   [`tower::retry::budget::TpsBudget`].
-//! - **Cooldown gate** ([`GateConfig`], off by default): a `429` or `529` with `Retry-After`,
+//! - **Cooldown gate** ([`GateConfig`], on by default for a `Retry-After` of 2 s or more): a
+//!   `429` or `529` with `Retry-After`,
 //!   or rate-limit headers saying no request is left ([below](#rate-limit-headers)), close the gate until
 //!   then; attempts about to be sent wait at the gate instead of hammering, and leave spread
 //!   over a window once it reopens. An open gate costs a request one atomic load.
-//! - **Adaptive pacing** ([`PacingConfig`], off by default): attempts leave evenly spaced, in
+//! - **Adaptive pacing** ([`PacingConfig`], on by default and [dormant](PacingConfig::dormant)
+//!   until the server signals a rate limit): attempts leave evenly spaced, in
 //!   arrival order, at a rate learned from the answers: slow start until the first refusal,
 //!   then a small increase per success and a multiplicative decrease per `429` or overload;
 //!   a long `Retry-After` is read as a quota and sets the rate that spreads it over its
@@ -29,25 +33,58 @@
 //!
 //! A [`Fleet`] is a handle on one state: its clones share it. Every layer given the same
 //! fleet ([`RetryLayer::fleet`](crate::RetryLayer::fleet)), the services they make, and their
-//! clones, share one budget, one gate and one pace, whichever client they sit in front of. A
-//! layer given none builds its own [`Fleet::default`] (the budget on, gate and pacing off);
-//! its clones keep sharing it, however they are re-configured. Two layers built separately
-//! without a fleet share nothing.
+//! clones, share one budget, one gate and one pace per scope, whichever client they sit in
+//! front of. A layer given none builds its own [`Fleet::default`]; its clones keep sharing
+//! it, however they are re-configured. Two layers built separately without a fleet share
+//! nothing.
+//!
+//! # The defaults
+//!
+//! A fleet built by default ([`Fleet::default`], [`Fleet::builder`], and the one a
+//! [`RetryLayer::new`](crate::RetryLayer::new) builds for itself) has the budget, the gate
+//! (for a `Retry-After` of 2 s or more), a dormant pacing with a burst of 1 s, and a state
+//! per scope. Where no limit is met that costs nothing but the bookkeeping: the gate is
+//! open, the pacing limits nothing until the server signals a rate limit (a `429` or `529`,
+//! or a stated request limit; a random `503` is none), and then starts from the rate it
+//! measured over the last second. On the success path, in memory, the defaults cost about
+//! 700 instructions a request more than the budget alone (the scope's hash and lookup, the
+//! rate-limit headers read on the answer); an open gate is one atomic load, a dormant pacing
+//! a load and an atomic add. In the storm bench they turn S1 (1,000 clients against a token
+//! bucket) from 5.4 % success at 22 attempts per success into 100 % at 1.01, lose nothing in
+//! S4 (an outage) and S5 (random `503`s, no limit), and at the knee (S6, demand at the
+//! limit) keep goodput (0.978 C against 0.977 C) and succeed for every request where the
+//! budget alone fails 0.6 % (its p99 is 5.5 s, against 2.0 s for the requests the budget
+//! alone gets through). The earlier defaults, the budget alone and one state:
+//!
+//! ```
+//! use tower_llm_retry::fleet::Fleet;
+//! use tower_llm_retry::RetryLayer;
+//!
+//! let old = Fleet::builder()
+//!     .cooldown_gate(None)
+//!     .pacing(None)
+//!     .per_scope(false)
+//!     .build();
+//! let layer = RetryLayer::new().fleet(old);
+//! # let _ = layer;
+//! ```
 //!
 //! # Configuration
 //!
 //! | setting | default | change with |
 //! |---|---|---|
 //! | retry budget | on: deposits count for 10 s, 10 retries a second whatever the traffic, plus 20 % of first attempts; in any 10 s, at most `10 × 10 + 0.2 × first attempts` retries ([`BudgetConfig::max_retries`]) | [`FleetBuilder::budget`] with [`BudgetConfig::new(ttl, min_per_sec, ratio)`](BudgetConfig::new), or `None` to turn it off |
-//! | cooldown gate | off | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] |
-//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (default zero: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
+//! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] (every `Retry-After` closes it), or `None` to turn it off |
+//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s in the fleet's default gate; zero in [`GateConfig::new`]: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`](crate::retry::Random) | [`GateConfig::spread`] |
-//! | adaptive pacing | off | [`FleetBuilder::pacing`] with [`PacingConfig::new`] |
-//! | pacing: rate | starts at 50 requests/s, kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
+//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429`, `529` or stated request limit (a `5xx` without it neither wakes nor slows it); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s; woken by a stated limit, at its cap | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
+//! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
+//! | pacing: burst | 1 s in the fleet's default (after a quiet spell, up to `rate × 1 s` attempts leave at once); zero in [`PacingConfig::new`] | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
 //! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
+//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (those beyond share the fleet's own state); off for a fleet given a Redis store, whose store names the scope | [`FleetBuilder::per_scope`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -138,12 +175,15 @@ let layer = RetryLayer::new().fleet(fleet);
 ```"#
 )]
 //!
-//! # Why the gate and the pacing are opt-in
+//! # One gate per scope
 //!
-//! One gate, and one pace, hold every request of their fleet. That is right when the fleet's
-//! requests share a rate limit (one key, one upstream), and wrong when one fleet fronts
-//! several providers or keys: a `429` from one would hold the others. Build one fleet per key,
-//! then turn them on.
+//! One gate, and one pace, hold every request of their state. That is right when the state's
+//! requests share a rate limit (one key, one upstream), and wrong when one state fronts
+//! several providers or keys: a `429` from one would hold the others. So a fleet keeps a
+//! state per scope by default: the upstream (the request URI's authority) and a hash of the
+//! credential header (`authorization`, `x-api-key`, `api-key`, `x-goog-api-key`). A
+//! credential set by an inner [`AuthLayer`](crate::AuthLayer) is not seen: such requests are
+//! scoped by upstream.
 //!
 //! # Differences from `tower::retry` with a budget
 //!
@@ -226,7 +266,7 @@ struct FleetState {
 /// The states of a fleet kept per scope.
 struct Scopes {
     template: FleetBuilder,
-    hasher: std::collections::hash_map::RandomState,
+    hasher: foldhash::fast::RandomState,
     map: std::sync::RwLock<std::collections::HashMap<u64, Fleet>>,
 }
 
@@ -241,7 +281,12 @@ struct ScopeName {
 const MAX_SCOPES: usize = 4096;
 
 /// The request headers that carry an API credential.
-const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
+static CREDENTIAL_HEADERS: [http::HeaderName; 4] = [
+    http::header::AUTHORIZATION,
+    http::HeaderName::from_static("x-api-key"),
+    http::HeaderName::from_static("api-key"),
+    http::HeaderName::from_static("x-goog-api-key"),
+];
 
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
 #[derive(Debug, Clone)]
@@ -250,7 +295,8 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
-    per_scope: bool,
+    /// `None`: the default, per scope unless the fleet has a Redis store.
+    per_scope: Option<bool>,
     #[cfg(feature = "fleet-redis")]
     redis: Option<RedisFleet>,
 }
@@ -266,7 +312,8 @@ impl FleetBuilder {
 
     /// The cooldown gate: a `429` / `529` with `Retry-After`, or rate-limit headers saying
     /// nothing is left, hold every attempt until then, and release them spread out. See
-    /// [`GateConfig`]. Defaults to `None` (off).
+    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to
+    /// `Some(GateConfig::default())` (on); `None` turns it off.
     pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
         self.gate = gate;
         self
@@ -274,7 +321,9 @@ impl FleetBuilder {
 
     /// Adaptive pacing: attempts leave evenly spaced at a rate that grows with successes and
     /// shrinks on `429` / overload, the rest waiting their turn in arrival order. See
-    /// [`PacingConfig`]. Defaults to `None` (off).
+    /// [`PacingConfig`]. Defaults to `Some(PacingConfig::new().dormant(true))`: no pacing
+    /// until the server first signals a rate limit, then from the rate measured over the
+    /// last second (see [`PacingConfig::dormant`]); `None` turns it off.
     pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
         self.pacing = pacing;
         self
@@ -298,22 +347,36 @@ impl FleetBuilder {
     /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
     /// beyond 4,096 scopes), whose state stays in the process; [`Fleet::scopes`] and
     /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
-    /// [`RedisFleet::scope`] applies to every scope. Defaults to false: one state for every
-    /// request.
+    /// [`RedisFleet::scope`] applies to every scope.
+    ///
+    /// On a request's path the scope costs a hash of the authority and the credential
+    /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
+    /// lookup under a read lock; only the first request of a scope allocates. The map holds
+    /// at most 4,096 scopes, and is never emptied while the fleet lives: requests of further
+    /// scopes share the fleet's own state (one budget, gate and pace for all of them, as
+    /// with `per_scope(false)`), so a flood of distinct credentials costs a bounded amount
+    /// of memory (about 4,096 small states) and, past the bound, one lookup that misses.
+    /// Defaults to true, but for a fleet given a Redis store ([`FleetBuilder::redis`]),
+    /// whose store names its scope already (call `per_scope(true)` to key its state by
+    /// request as well); false keeps one state for every request.
     pub fn per_scope(mut self, yes: bool) -> Self {
-        self.per_scope = yes;
+        self.per_scope = Some(yes);
         self
     }
 
     /// The fleet, its state new. With a Redis store, its background task starts on the
     /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
-        let scopes = self.per_scope.then(|| Scopes {
+        #[cfg(feature = "fleet-redis")]
+        let per_scope = self.per_scope.unwrap_or(self.redis.is_none());
+        #[cfg(not(feature = "fleet-redis"))]
+        let per_scope = self.per_scope.unwrap_or(true);
+        let scopes = per_scope.then(|| Scopes {
             template: FleetBuilder {
-                per_scope: false,
+                per_scope: Some(false),
                 ..self.clone()
             },
-            hasher: std::collections::hash_map::RandomState::new(),
+            hasher: foldhash::fast::RandomState::default(),
             map: std::sync::RwLock::new(std::collections::HashMap::new()),
         });
         #[allow(unused_mut)]
@@ -349,17 +412,34 @@ impl Default for FleetBuilder {
     fn default() -> Self {
         FleetBuilder {
             budget: Some(BudgetConfig::default()),
-            gate: None,
-            pacing: None,
-            per_scope: false,
+            gate: Some(default_gate()),
+            pacing: Some(default_pacing()),
+            per_scope: None,
             #[cfg(feature = "fleet-redis")]
             redis: None,
         }
     }
 }
 
+/// The fleet's default gate: a `Retry-After` under 2 s (a token bucket's next token) is left
+/// to the pacing; a longer one holds every request.
+fn default_gate() -> GateConfig {
+    GateConfig::new().min_close(DEFAULT_MIN_CLOSE)
+}
+
+/// The fleet's default pacing: dormant until the server signals a limit, with a burst of 1 s.
+fn default_pacing() -> PacingConfig {
+    PacingConfig::new()
+        .dormant(true)
+        .burst(Duration::from_secs(1))
+        .expect("a burst within bounds")
+}
+
+/// The shortest `Retry-After` that closes the fleet's default gate.
+const DEFAULT_MIN_CLOSE: Duration = Duration::from_secs(2);
+
 impl Default for Fleet {
-    /// The default budget, no gate, no pacing: what a layer given no fleet builds.
+    /// The defaults of [`Fleet::builder`]: what a layer given no fleet builds.
     fn default() -> Self {
         Fleet::builder().build()
     }
@@ -379,7 +459,10 @@ pub struct BudgetStats {
 }
 
 impl Fleet {
-    /// A builder with the defaults: the default budget, no gate, no pacing.
+    /// A builder with the defaults: the default budget, the default cooldown gate, a
+    /// [dormant](PacingConfig::dormant) pacing, a state per scope
+    /// ([`FleetBuilder::per_scope`]). `Fleet::builder().cooldown_gate(None).pacing(None)
+    /// .per_scope(false)` is the fleet of earlier versions: the budget alone, one state.
     pub fn builder() -> FleetBuilder {
         FleetBuilder::default()
     }
@@ -420,10 +503,14 @@ impl Fleet {
         self.inner.pacer.as_ref().map(|p| p.config())
     }
 
-    /// The current pacing rate, in requests per second, when pacing is on: the fleet's,
-    /// across processes, while a Redis store is in touch.
+    /// The current pacing rate, in requests per second, when pacing is on and awake (not
+    /// [dormant](PacingConfig::dormant)): the fleet's, across processes, while a Redis store
+    /// is in touch.
     pub fn pace(&self) -> Option<f64> {
         let pacer = self.inner.pacer.as_ref()?;
+        if !pacer.is_awake() {
+            return None;
+        }
         #[cfg(feature = "fleet-redis")]
         if let Some(rate) = self.inner.redis.as_ref().and_then(|l| l.pace()) {
             return Some(rate);
@@ -471,7 +558,7 @@ impl Fleet {
         let upstream = uri.authority()?.as_str();
         let credential = CREDENTIAL_HEADERS
             .iter()
-            .find_map(|h| headers.get(*h))
+            .find_map(|h| headers.get(h))
             .map_or(&b""[..], |v| v.as_bytes());
         let key = {
             use std::hash::BuildHasher;
@@ -526,6 +613,11 @@ impl Fleet {
     /// before its turn leaves the line.
     pub(crate) fn ticket(&self, policy: &RetryPolicy, deadline: Option<Instant>) -> Option<Ticket> {
         let pacer = self.pacer()?;
+        // Dormant, the pacing only counts what goes out, until the server signals a limit.
+        if !pacer.is_awake() {
+            pacer.dormant_send();
+            return None;
+        }
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
         let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
@@ -629,10 +721,27 @@ impl Fleet {
         retry_after: Option<Duration>,
         policy: &RetryPolicy,
     ) {
-        // Pacing: a stated request limit caps the rate.
+        let ceiling = policy.get_retry_after_max();
+        // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
+        // do) is not taken as a wait by the fleet either.
+        let honoured = |w: &Duration| {
+            *w <= ceiling || policy.get_above_ceiling() != crate::retry::AboveCeiling::UseBackoff
+        };
+        let retry_after = retry_after.filter(honoured);
+        // Pacing: a stated request limit caps the rate; it, or a refusal for load, wakes a
+        // dormant pacing (a 5xx without it does not).
         if let Some(pacer) = self.pacer() {
+            if !pacer.is_awake() {
+                let status = head.status;
+                if status == StatusCode::TOO_MANY_REQUESTS
+                    || status.as_u16() == crate::classify::STATUS_OVERLOADED
+                {
+                    pacer.wake_on_refusal(retry_after.map(|w| w.min(ceiling)));
+                }
+            }
             if let Some(limit) = crate::provider::ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
+                pacer.wake_on_limit();
                 #[cfg(feature = "fleet-redis")]
                 if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
                 {
@@ -643,37 +752,39 @@ impl Fleet {
         let Some(gate) = self.gate() else {
             return;
         };
-        let ceiling = policy.get_retry_after_max();
         let status = head.status.as_u16();
         let h = &head.headers;
         // Absolute times from the server are read against the server's own clock, its
         // `Date`, where it sent one: the host's clock skew then does not move the deadline.
         // (A wall clock set on the gate config, for tests, is used instead.)
-        let server_now = if gate.config.has_wall_clock() {
-            None
-        } else {
-            h.get(http::header::DATE)
-                .and_then(|d| d.to_str().ok())
-                .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+        // Parsed only when an absolute time is read: not on the success path.
+        let server_now = || {
+            if gate.config.has_wall_clock() {
+                None
+            } else {
+                h.get(http::header::DATE)
+                    .and_then(|d| d.to_str().ok())
+                    .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+            }
         };
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()
             || status == crate::classify::STATUS_OVERLOADED
         {
+            let server_now = retry_after_is_a_date(h).then(server_now).flatten();
             let retry_after = match server_now {
-                Some(now) if retry_after_is_a_date(h) => {
-                    crate::classify::headers::parse_retry_after(h, now)
-                }
+                Some(now) => crate::classify::headers::parse_retry_after(h, now),
                 _ => retry_after,
-            };
+            }
+            .filter(honoured);
             if let Some(wait) = retry_after.filter(|w| *w >= gate.config.get_min_close()) {
                 self.close_gate(gate, wait.min(ceiling));
             }
         }
         if gate.config.reads_rate_limit_headers()
-            && (h.contains_key(crate::provider::ratelimit::ANTHROPIC_REQUESTS_REMAINING)
-                || h.contains_key(crate::provider::ratelimit::OPENAI_REQUESTS_REMAINING))
+            && (h.contains_key(&crate::provider::ratelimit::ANTHROPIC_REQUESTS_REMAINING_NAME)
+                || h.contains_key(&crate::provider::ratelimit::OPENAI_REQUESTS_REMAINING_NAME))
         {
-            let now = server_now.unwrap_or_else(|| gate.config.now());
+            let now = server_now().unwrap_or_else(|| gate.config.now());
             if let Some(wait) = crate::provider::ratelimit::requests_exhausted_for(h, now) {
                 self.close_gate(gate, wait.min(ceiling));
             }

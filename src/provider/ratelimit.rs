@@ -10,7 +10,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
 /// Anthropic's count of requests left in the current window.
 pub(crate) const ANTHROPIC_REQUESTS_REMAINING: &str = "anthropic-ratelimit-requests-remaining";
@@ -26,6 +26,19 @@ pub(crate) const ANTHROPIC_REQUESTS_LIMIT: &str = "anthropic-ratelimit-requests-
 /// OpenAI's request limit (requests per minute).
 pub(crate) const OPENAI_REQUESTS_LIMIT: &str = "x-ratelimit-limit-requests";
 
+// The names as `HeaderName`s, so that a lookup on every response hashes them without parsing
+// them first.
+pub(crate) static ANTHROPIC_REQUESTS_REMAINING_NAME: HeaderName =
+    HeaderName::from_static(ANTHROPIC_REQUESTS_REMAINING);
+static ANTHROPIC_REQUESTS_RESET_NAME: HeaderName =
+    HeaderName::from_static(ANTHROPIC_REQUESTS_RESET);
+pub(crate) static OPENAI_REQUESTS_REMAINING_NAME: HeaderName =
+    HeaderName::from_static(OPENAI_REQUESTS_REMAINING);
+static OPENAI_REQUESTS_RESET_NAME: HeaderName = HeaderName::from_static(OPENAI_REQUESTS_RESET);
+static ANTHROPIC_REQUESTS_LIMIT_NAME: HeaderName =
+    HeaderName::from_static(ANTHROPIC_REQUESTS_LIMIT);
+static OPENAI_REQUESTS_LIMIT_NAME: HeaderName = HeaderName::from_static(OPENAI_REQUESTS_LIMIT);
+
 /// The longest header value the parsers look at; longer values count as absent.
 pub(crate) const MAX_VALUE_LEN: usize = 64;
 
@@ -39,17 +52,17 @@ pub(crate) const MAX_RESET: Duration = Duration::from_secs(24 * 60 * 60);
 /// or when it is further away than [`MAX_RESET`].
 pub(crate) fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let anthropic = || {
-        if header(headers, ANTHROPIC_REQUESTS_REMAINING).and_then(parse_count)? != 0 {
+        if header(headers, &ANTHROPIC_REQUESTS_REMAINING_NAME).and_then(parse_count)? != 0 {
             return None;
         }
-        let at = header(headers, ANTHROPIC_REQUESTS_RESET).and_then(parse_rfc3339)?;
+        let at = header(headers, &ANTHROPIC_REQUESTS_RESET_NAME).and_then(parse_rfc3339)?;
         at.duration_since(now).ok().filter(|d| *d <= MAX_RESET)
     };
     let openai = || {
-        if header(headers, OPENAI_REQUESTS_REMAINING).and_then(parse_count)? != 0 {
+        if header(headers, &OPENAI_REQUESTS_REMAINING_NAME).and_then(parse_count)? != 0 {
             return None;
         }
-        header(headers, OPENAI_REQUESTS_RESET).and_then(parse_duration)
+        header(headers, &OPENAI_REQUESTS_RESET_NAME).and_then(parse_duration)
     };
     anthropic().or_else(openai).filter(|d| !d.is_zero())
 }
@@ -57,13 +70,13 @@ pub(crate) fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Op
 /// The request limit a response states, Anthropic's header first, then OpenAI's. `None` when
 /// neither is present and well formed, or the limit is zero.
 pub(crate) fn requests_limit(headers: &HeaderMap) -> Option<u64> {
-    [ANTHROPIC_REQUESTS_LIMIT, OPENAI_REQUESTS_LIMIT]
+    [&ANTHROPIC_REQUESTS_LIMIT_NAME, &OPENAI_REQUESTS_LIMIT_NAME]
         .into_iter()
         .find_map(|name| header(headers, name).and_then(parse_count))
         .filter(|&n| n > 0)
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+fn header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
     headers
         .get(name)?
         .to_str()

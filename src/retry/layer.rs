@@ -135,8 +135,9 @@ impl<C> RetryLayer<C> {
     /// The [`Fleet`] whose retry budget, cooldown gate and pacing this layer's requests
     /// share, with every other layer (or middleware) given a clone of it. See
     /// [`fleet`](crate::fleet). Defaults to a fleet of the layer's own,
-    /// [`Fleet::default`] (the default budget, no gate, no pacing), built with the layer and
-    /// shared by its services and its clones.
+    /// [`Fleet::default`] (the default budget, cooldown gate and dormant pacing, a state per
+    /// upstream and credential), built with the layer and shared by its services and its
+    /// clones.
     pub fn fleet(mut self, fleet: Fleet) -> Self {
         self.config.fleet = fleet;
         self

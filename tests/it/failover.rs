@@ -815,8 +815,10 @@ async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_
     }))
     .await
     .unwrap();
+    // One state for every request: the gate read is the fleet's own.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new()))
+        .per_scope(false)
         .build();
     let svc = ServiceBuilder::new()
         .layer(RetryLayer::new().policy(policy()).fleet(fleet.clone()))

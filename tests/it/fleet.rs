@@ -189,7 +189,14 @@ async fn one_429_holds_100_first_attempts_and_releases_them_spread() {
             RetryLayer::new()
                 .policy(no_jitter().random(stepping_random()))
                 .observer(planned.clone())
-                .fleet(Fleet::builder().cooldown_gate(Some(gate)).build()),
+                // The gate alone: its spread is the claim, and the default pacing, woken by
+                // the 429, would space the release further.
+                .fleet(
+                    Fleet::builder()
+                        .cooldown_gate(Some(gate))
+                        .pacing(None)
+                        .build(),
+                ),
         )
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
@@ -538,13 +545,19 @@ async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_gate_is_off_by_default() {
+async fn the_gate_turned_off_holds_nothing() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
     let planned = RetryPlanned::default();
+    // The defaults of earlier versions, explicitly: the gate is on by default now.
+    let old = Fleet::builder()
+        .cooldown_gate(None)
+        .pacing(None)
+        .per_scope(false)
+        .build();
     let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().observer(planned.clone()))
+        .layer(RetryLayer::new().observer(planned.clone()).fleet(old))
         .service(http_client());
     let (first, origin) = close_with(&server, &svc, &planned).await;
     svc.clone()
@@ -1218,8 +1231,12 @@ async fn a_hyper_stack_and_a_reqwest_stack_sharing_one_fleet_share_the_gate() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
+    // One state for every request: the claim is read from the fleet's own. The gate alone:
+    // the default pacing, woken by the 429, would space the two sent as it reopens.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .pacing(None)
+        .per_scope(false)
         .build();
     let planned = RetryPlanned::default();
     let hyper_stack = RetryLayer::new()
@@ -1282,7 +1299,11 @@ async fn two_stacks_sharing_one_fleet_share_the_budget() {
         .await
         .unwrap();
     let budget = BudgetConfig::new(Duration::from_secs(10), 1, 0.1).unwrap();
-    let fleet = Fleet::builder().budget(Some(budget)).build();
+    // One state for every request: the claim is read from the fleet's own.
+    let fleet = Fleet::builder()
+        .budget(Some(budget))
+        .per_scope(false)
+        .build();
     // 3 retries without jitter take 3.5 s: every retry falls in one 10 s window.
     let hyper_stack = RetryLayer::new()
         .policy(no_jitter().max_retries(3))
@@ -1380,9 +1401,11 @@ async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
     )
     .await
     .unwrap();
+    // One state for every request: the read-outs are the fleet's own.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().min_close(Duration::from_secs(1))))
         .pacing(Some(paced(10.0, 10.0)))
+        .per_scope(false)
         .build();
     assert_eq!(fleet.gate_closed_until(), None);
     assert_eq!(fleet.gate_closings(), Some(0));
@@ -1434,8 +1457,17 @@ async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
 }
 
 #[test]
-fn a_fleet_built_by_default_has_the_budget_on_and_the_gate_and_pacing_off() {
-    for fleet in [Fleet::default(), Fleet::builder().build()] {
+fn a_fleet_built_with_the_gate_and_pacing_off_has_only_the_budget() {
+    // The defaults of earlier versions, explicitly (the gate and pacing are on by default
+    // now: see `a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes`).
+    let old = || {
+        Fleet::builder()
+            .cooldown_gate(None)
+            .pacing(None)
+            .per_scope(false)
+            .build()
+    };
+    for fleet in [old(), old()] {
         assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
         assert!(fleet.gate_config().is_none());
         assert_eq!(fleet.gate_closed_until(), None);
@@ -1533,8 +1565,10 @@ async fn a_fleet_not_kept_per_scope_holds_every_key() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
         .await
         .unwrap();
+    // Kept per scope by default now: this is the fleet that is not.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .per_scope(false)
         .build();
     let planned = RetryPlanned::default();
     let svc = RetryLayer::new()
@@ -1579,8 +1613,10 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
     .await
     .unwrap();
     for (n, wait) in [(0, 7), (1, 5)] {
+        // One state for every request: the gate read is the fleet's own.
         let fleet = Fleet::builder()
             .cooldown_gate(Some(GateConfig::new()))
+            .per_scope(false)
             .build();
         let svc = RetryLayer::new()
             .policy(no_jitter().max_retries(0))
@@ -1596,4 +1632,309 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
             "reply {n}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The defaults: the gate, a dormant pacing, a state per scope.
+
+/// The default policy without jitter, and no spread at the gate.
+fn exact() -> RetryPolicy {
+    no_jitter().random(Random::from_fn(|| 0.0))
+}
+
+fn with_key(uri: &str, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    let mut req = anthropic_request(uri, BODY);
+    req.headers_mut()
+        .insert("x-api-key", http::HeaderValue::from_str(key).unwrap());
+    req
+}
+
+#[test]
+fn a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes() {
+    for fleet in [Fleet::default(), Fleet::builder().build()] {
+        assert_eq!(fleet.budget_config(), Some(BudgetConfig::default()));
+        assert!(fleet.gate_config().is_some());
+        assert_eq!(fleet.gate_closed_until(), None);
+        assert_eq!(fleet.gate_closings(), Some(0));
+        let pacing = PacingConfig::new()
+            .dormant(true)
+            .burst(Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(fleet.pacing_config(), Some(pacing));
+        assert_eq!(pacing.get_burst(), Duration::from_secs(1));
+        assert!(fleet.pacing_config().unwrap().get_dormant());
+        // Dormant: no pace to report.
+        assert_eq!(fleet.pace(), None);
+        assert_eq!(fleet.pacing_refused(), Some(0));
+        // Kept per scope.
+        let req = with_key("http://127.0.0.1:1/v1/messages", "sk-ant-key-a");
+        assert!(!fleet.scope_for(&req).ptr_eq(&fleet));
+        assert_eq!(fleet.scopes().len(), 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_layer_fronting_two_keys_holds_only_the_key_that_got_the_429() {
+    // The first request (key a) gets a 429 with Retry-After 8 s; everything else succeeds.
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+
+    // Key b is not held: answered at once.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-b"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::ZERO);
+    // Key a is: a second request waits at its gate for the 8 s.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    let got: Vec<_> = server
+        .requests()
+        .iter()
+        .map(|r| {
+            let key = r.headers["x-api-key"].to_str().unwrap().to_owned();
+            (key, r.received_at - origin)
+        })
+        .collect();
+    let ms = |n| Duration::from_millis(n);
+    assert_eq!(got.len(), 4);
+    assert_eq!(got[0], ("sk-ant-key-a".into(), ms(0)));
+    assert_eq!(got[1], ("sk-ant-key-b".into(), ms(0)));
+    // The retry and the held request as the gate reopens at 8 s. The 429 woke key a's
+    // pacing (at 50/s, its floor: it had measured one attempt), whose burst of 1 s lets
+    // both go after the quiet spell.
+    assert!(got[2..].iter().all(|(key, _)| key == "sk-ant-key-a"));
+    for (_, at) in &got[2..] {
+        assert!(*at >= ms(8_000) && *at <= ms(8_001), "{got:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_pacing_delays_nothing_before_a_rate_limit_signal() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    // 500 at once: a pacing that paced from the start (50 requests/s in slow start) would
+    // spread them over seconds.
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..500 {
+        let req = with_key(&url, "sk-ant-key-a");
+        tasks.spawn(svc.clone().oneshot(req));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(server.request_count(), 500);
+    assert!(arrivals(&server, origin).iter().all(|d| d.is_zero()));
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    assert_eq!(scope.pace(), None);
+    assert_eq!(scope.pacing_refused(), Some(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
+    // 400 successes, then one 429 without Retry-After (the gate stays open), then successes.
+    let mut script = Script::new();
+    for _ in 0..400 {
+        script = script.then(Reply::success());
+    }
+    let server = MockServer::start(script.then(Reply::status(429)))
+        .await
+        .unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    // One request every 5 ms (200/s) for 2 s, each answered at once: nothing paced.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..401 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(scope.pace().is_some(), server.request_count() > 400);
+    }
+    // The 401st was refused: the pacing woke at the rate it measured over the last second,
+    // 200/s, halved as at the end of slow start.
+    let pace = scope.pace().unwrap();
+    assert!((pace - 100.0).abs() < 2.0, "{pace}");
+    // From now on attempts leave 1 / pace apart: a burst of 20 (and the 429's retry, which
+    // comes 500 ms after it) is spaced.
+    let origin = Instant::now();
+    for _ in 0..20 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    let mut got: Vec<_> = server
+        .requests()
+        .iter()
+        .filter(|r| r.received_at >= origin)
+        .map(|r| r.received_at - origin)
+        .filter(|d| *d < Duration::from_millis(400))
+        .collect();
+    got.sort();
+    assert_eq!(got.len(), 20);
+    // The turns are kept to the schedule that started with the wake, 5 ms before the
+    // burst: the first goes at once, each next 1 / pace after the turn before it (the
+    // successes, each +0.05/s while others wait, move that by less than the timer's
+    // millisecond).
+    assert_eq!(got[0], Duration::ZERO);
+    let woke = origin - Duration::from_millis(5);
+    let gap = 1.0 / pace;
+    for (k, at) in got.iter().enumerate().skip(1) {
+        let since_wake = (origin + *at - woke).as_secs_f64();
+        assert!(
+            (since_wake - k as f64 * gap).abs() <= 0.001,
+            "{got:?}, gap {gap}"
+        );
+    }
+    assert_eq!(server.request_count(), 422);
+}
+
+#[tokio::test(start_paused = true)]
+async fn random_503s_neither_wake_nor_slow_the_default_pacing() {
+    // Every 10th of the first 100 answers a 503 without Retry-After.
+    let script = Script::new().when({
+        let n = AtomicU64::new(0);
+        move |_| {
+            let n = n.fetch_add(1, Ordering::SeqCst);
+            (n < 100 && n % 10 == 9).then(|| Reply::status(503))
+        }
+    });
+    let server = MockServer::start(script).await.unwrap();
+    let fleet = Fleet::default();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let origin = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    // The first attempts all at once, the ten retries together 500 ms later: not paced.
+    let got = arrivals(&server, origin);
+    assert_eq!(got.len(), 110);
+    assert!(got[..100].iter().all(|d| d.is_zero()));
+    assert!(got[100..]
+        .iter()
+        .all(|d| *d >= Duration::from_millis(500) && *d <= Duration::from_millis(501)));
+    assert_eq!(scope.pace(), None);
+
+    // Woken by a 429, then 503s on paced attempts: the pace does not move.
+    server.push(Reply::status(429));
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let woken = scope.pace().unwrap();
+    for i in 0..30 {
+        if i % 10 == 9 {
+            server.push(Reply::status(503));
+        }
+        let res = svc
+            .clone()
+            .oneshot(with_key(&url, "sk-ant-key-a"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    // The 429 and its retry, 30 requests, and the retries of their three 503s.
+    assert_eq!(server.request_count(), 110 + 2 + 30 + 3);
+    assert_eq!(scope.pace(), Some(woken));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own_state() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::default();
+    let url = server.url("/v1/messages");
+    for k in 0..4_096 {
+        let scope = fleet.scope_for(&with_key(&url, &format!("sk-ant-key-{k}")));
+        assert!(!scope.ptr_eq(&fleet));
+    }
+    assert_eq!(fleet.scopes().len(), 4_096);
+    // A known scope is still its own; a new one gets the fleet's own state, and the map
+    // stays as it is.
+    let known = fleet.scope_for(&with_key(&url, "sk-ant-key-7"));
+    assert!(known.ptr_eq(&fleet.scope_for(&with_key(&url, "sk-ant-key-7"))));
+    assert!(fleet
+        .scope_for(&with_key(&url, "sk-ant-key-new"))
+        .ptr_eq(&fleet));
+    assert_eq!(fleet.scopes().len(), 4_096);
+    // A request past the bound goes out, counted in the fleet's own budget.
+    let svc = RetryLayer::new().fleet(fleet.clone()).layer(http_client());
+    let res = svc.oneshot(with_key(&url, "sk-ant-key-new")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(fleet.budget_stats().unwrap().first_attempts, 1);
+    assert_eq!(fleet.scopes().len(), 4_096);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_pacing() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("1")))
+        .await
+        .unwrap();
+    let fleet = Fleet::default();
+    let planned = RetryPlanned::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .observer(planned.clone())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+    // A token bucket's next token: not a cooldown for everyone, but a rate-limit signal.
+    assert_eq!(scope.gate_closed_until(), None);
+    assert_eq!(scope.gate_closings(), Some(0));
+    assert_eq!(scope.pace(), Some(50.0));
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::ZERO);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The retry after its own Retry-After of 1 s.
+    assert_eq!(arrivals(&server, origin)[2], Duration::from_secs(1));
 }

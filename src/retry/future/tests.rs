@@ -125,8 +125,10 @@ async fn a_503_reads_the_body_sleeps_the_backoff_then_sends_attempt_two() {
 
 #[tokio::test(start_paused = true)]
 async fn a_closed_gate_holds_the_first_attempt_then_sends_it() {
+    // One state for every request: the gate read is the fleet's own.
     let fleet = Fleet::builder()
         .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .per_scope(false)
         .build();
     // A 429 with Retry-After: 10 from one request closes the gate for the next.
     let limited = Response::builder()
