@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tower_llm_retry::fleet::RedisFleet;
-use tower_llm_retry::{BudgetConfig, GateConfig, PacingConfig, RetryPolicy};
+use tower_llm_retry::{BudgetConfig, Fleet, FleetBuilder, RetryPolicy};
 
 /// The prefix of every environment variable the proxy reads.
 pub const ENV_PREFIX: &str = "LLM_RETRY_PROXY_";
@@ -202,10 +202,12 @@ pub struct Upstream {
     /// The retry budget (retries at most 20 % of first attempts plus 10 a second).
     /// Defaults to `true`.
     pub budget: bool,
-    /// The cooldown gate: a `Retry-After` holds the tenant's other requests too.
-    /// Defaults to `true`.
+    /// The cooldown gate: a `Retry-After` of 2 s or more holds the tenant's other requests
+    /// too (the library's default gate). Defaults to `true`.
     pub gate: bool,
-    /// Adaptive pacing of the tenant's attempts. Defaults to `false`.
+    /// Adaptive pacing of the tenant's attempts: dormant until the upstream first signals a
+    /// rate limit, then from the rate measured (the library's default pacing). Defaults to
+    /// `true`.
     pub pacing: bool,
     /// An environment variable with the upstream keys the proxy holds (separated by commas
     /// or new lines); a client token is then required. Defaults to none: clients' own
@@ -247,7 +249,7 @@ impl Upstream {
             overflow_repair: true,
             budget: true,
             gate: true,
-            pacing: false,
+            pacing: true,
             keys_env: None,
             keys_file: None,
             roots: Roots::Webpki,
@@ -311,19 +313,25 @@ impl Upstream {
         policy
     }
 
-    /// The fleet settings: budget, gate and pacing, each `None` when off.
-    pub fn fleet(
-        &self,
-    ) -> (
-        Option<BudgetConfig>,
-        Option<GateConfig>,
-        Option<PacingConfig>,
-    ) {
-        (
-            self.budget.then(BudgetConfig::default),
-            self.gate.then(GateConfig::new),
-            self.pacing.then(PacingConfig::new),
-        )
+    /// The retry budget, `None` when off.
+    pub fn budget_config(&self) -> Option<BudgetConfig> {
+        self.budget.then(BudgetConfig::default)
+    }
+
+    /// The fleet of one tenant's stack: the library's defaults (budget, gate, dormant
+    /// pacing), less what is turned off. One state per stack: the proxy keeps a stack per
+    /// tenant already.
+    pub fn fleet(&self) -> FleetBuilder {
+        let mut fleet = Fleet::builder()
+            .budget(self.budget_config())
+            .per_scope(false);
+        if !self.gate {
+            fleet = fleet.cooldown_gate(None);
+        }
+        if !self.pacing {
+            fleet = fleet.pacing(None);
+        }
+        fleet
     }
 }
 

@@ -25,8 +25,8 @@ use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_llm_retry::fleet::RedisFleet;
 use tower_llm_retry::{
-    ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, Fleet,
-    ModelFallbackLayer, ReplayBody, RetryLayer,
+    ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, ModelFallbackLayer,
+    ReplayBody, RetryLayer,
 };
 
 use crate::config::{ConfigError, Kind, Roots, Upstream};
@@ -225,11 +225,7 @@ impl StackFactory {
                 })?;
             inner = boxed(layer.layer(inner));
         }
-        let (budget, gate, pacing) = up.fleet();
-        let mut fleet = Fleet::builder()
-            .budget(budget)
-            .cooldown_gate(gate)
-            .pacing(pacing);
+        let mut fleet = up.fleet();
         if let Some(store) = &self.redis {
             let credential = if self.keys.is_some() {
                 &self.keys_scope[..]
@@ -369,8 +365,7 @@ impl Tenants {
             stack: factory.build(credential)?,
             client_budget: factory
                 .upstream
-                .fleet()
-                .0
+                .budget_config()
                 .map(|b| Arc::new(TpsBudget::new(b.ttl(), b.min_per_sec(), b.retry_ratio()))),
         };
         map.insert(

@@ -312,8 +312,9 @@ impl FleetBuilder {
 
     /// The cooldown gate: a `429` / `529` with `Retry-After`, or rate-limit headers saying
     /// nothing is left, hold every attempt until then, and release them spread out. See
-    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to
-    /// `Some(GateConfig::default())` (on); `None` turns it off.
+    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to on, as
+    /// `GateConfig::new().min_close(2 s)`: a shorter `Retry-After` (a token bucket's next
+    /// token) is left to the pacing. `None` turns it off.
     pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
         self.gate = gate;
         self
