@@ -312,32 +312,6 @@ fn pct(v: &[Duration], p: f64) -> Duration {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Round trips to Redis so far: the scripts run (a command a script calls is not one), the
-/// scripts loaded, the subscriptions.
-fn commands(redis: &redis_server::RedisServer) -> u64 {
-    let text = match redis.command(&["INFO", "commandstats"]) {
-        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        _ => return 0,
-    };
-    text.lines()
-        .filter(|l| {
-            [
-                "cmdstat_evalsha:",
-                "cmdstat_eval:",
-                "cmdstat_script|load:",
-                "cmdstat_subscribe:",
-            ]
-            .iter()
-            .any(|p| l.starts_with(p))
-        })
-        .filter_map(|l| {
-            let calls = l.split("calls=").nth(1)?.split(',').next()?;
-            calls.parse::<u64>().ok()
-        })
-        .sum()
-}
-
 /// Clients of the added-latency rows.
 const LATENCY_CLIENTS: usize = 64;
 
@@ -384,7 +358,7 @@ async fn main() {
                     })
                     .collect();
                 wait_connected(&fleets).await;
-                let before = commands(&redis);
+                let before = redis.round_trips();
                 let server = Server::new(kind);
                 let timeline = trace.then(|| {
                     let (server, fleets) = (server.clone(), fleets.clone());
@@ -409,7 +383,7 @@ async fn main() {
                 if let Some(t) = timeline {
                     let _ = t.await;
                 }
-                let cmds = commands(&redis).saturating_sub(before);
+                let cmds = redis.round_trips().saturating_sub(before);
                 let (attempts, successes) = server.totals(RUN);
                 println!(
                     "| {row} | {:.2} C | {:.2} | {:.2} C | {:.0} ms | {:.0} ms | {} |",
@@ -452,7 +426,7 @@ async fn main() {
             shared.then_some((url.as_str(), prefix.as_str())),
         );
         wait_connected(std::slice::from_ref(&f)).await;
-        let before = commands(&redis);
+        let before = redis.round_trips();
         let o = storm(
             Server::new(Kind::Open),
             std::slice::from_ref(&f),
@@ -460,7 +434,7 @@ async fn main() {
             Duration::from_secs(2),
         )
         .await;
-        let cmds = commands(&redis).saturating_sub(before);
+        let cmds = redis.round_trips().saturating_sub(before);
         println!(
             "| {label} | {:.0} | {:.0} µs | {:.0} µs | {} |",
             o.successes as f64 / 2.0,

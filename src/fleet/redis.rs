@@ -308,7 +308,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Reserves slots of the fleet's pacing schedule (GCRA: one theoretical arrival time per
 /// scope) for the `n` attempts of one process that wait for one, in their order, one slot
 /// each. A slot is booked only within the horizon (`ARGV[6]` ms ahead) and, of it, only this
-/// process's share (`1 / ARGV[7]` of the slots it holds, at least one): a rate learnt now
+/// process's share (one of the live processes' equal parts, at least one slot): a rate learnt now
 /// then reaches the slots sent soon, instead of slots booked seconds ahead at the rate of
 /// their booking, and every process gets its turn. An attempt whose slot would come later
 /// than it may wait (`ARGV[8 + i]` ms) is refused; the others are asked for again when the
@@ -340,7 +340,8 @@ if tat > now then
 end
 if tat < now then tat = now end
 local horizon = tonumber(ARGV[6])
-local share = math.max(1, math.ceil(horizon * rate / 1000 / math.max(1, tonumber(ARGV[7]))))
+local procs = math.max(1, tonumber(ARGV[7]), redis.call('ZCARD', KEYS[2]))
+local share = math.max(1, math.ceil(horizon * rate / 1000 / procs))
 local n = #ARGV - 7
 local out = {epoch, tostring(rate), 0}
 local booked = 0
@@ -882,6 +883,7 @@ async fn reserve_slots(shared: Arc<Shared>) {
         let successes = shared.successes.swap(0, Ordering::AcqRel);
         let mut inv = shared.reserve.prepare_invoke();
         inv.key(&shared.keys.pace)
+            .key(&shared.keys.procs)
             .arg(config.initial())
             .arg(config.get_min())
             .arg(config.get_max())

@@ -107,6 +107,36 @@ impl RedisServer {
         self.launch();
     }
 
+    /// The round trips Redis has answered so far: the scripts run (a command a script calls
+    /// is not one), the scripts loaded, the subscriptions.
+    pub fn round_trips(&self) -> u64 {
+        let text = match self.command(&["INFO", "commandstats"]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            _ => return 0,
+        };
+        text.lines()
+            .filter(|l| {
+                [
+                    "cmdstat_evalsha:",
+                    "cmdstat_eval:",
+                    "cmdstat_script|load:",
+                    "cmdstat_subscribe:",
+                ]
+                .iter()
+                .any(|p| l.starts_with(p))
+            })
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+
     /// Runs one command on a connection of its own.
     pub fn command(&self, args: &[&str]) -> redis::Value {
         let client = redis::Client::open(self.url()).unwrap();
