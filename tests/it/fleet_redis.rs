@@ -924,3 +924,110 @@ async fn attempts_queued_for_a_slot_go_to_the_local_line_when_redis_freezes() {
         fleet.redis_state()
     );
 }
+
+#[tokio::test]
+async fn every_script_runs_on_a_single_node_cluster_without_crossslot_and_coordinates() {
+    // A cluster node that owns every hash slot answers every command itself, so the plain
+    // connection manager talks to it; what a cluster adds is that a script's keys must share
+    // one slot, which the scope's hash tag gives them.
+    let Some(redis) = RedisServer::start_cluster() else {
+        return;
+    };
+    let url = redis.tcp_url().unwrap();
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::success().header("anthropic-ratelimit-requests-limit", "1200"))
+            .then(Reply::status(529))
+            .then(Reply::success())
+            .then(Reply::rate_limited("1")),
+    )
+    .await
+    .unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            let store = RedisFleet::from_url(&url)
+                .unwrap()
+                .scope("127.0.0.1", b"test-key");
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .redis(patient(store))
+                .build()
+        })
+        .collect();
+    // Connected: each has run the poll.
+    all_connected(&fleets).await;
+    let policy = policy().initial_backoff(Duration::from_millis(20));
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy.clone())).collect();
+    let send = |i: usize| {
+        stacks[i]
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    };
+    // A stated limit (the limit script) on a reserved slot (the reservation).
+    assert_eq!(send(0).await.unwrap().status(), StatusCode::OK);
+    // An overload refused (the refusal script), retried on a grant (the budget's flush).
+    let res = send(0).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.extensions().get::<RetryTrail>().unwrap().retries(), 1);
+    // A 429 with Retry-After through the second fleet closes the gate of the first (the
+    // closing script, and its message).
+    let limited = tokio::spawn(send(1));
+    within(Duration::from_millis(800), || {
+        fleets[0].gate_closed_until().is_some()
+    })
+    .await
+    .expect("the closing reaches the other fleet");
+    assert_eq!(limited.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The stated limit is the fleet's: both read it from the shared schedule.
+    let capped = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace().is_some_and(|p| p <= 20.0))
+    });
+    assert!(
+        capped.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    assert!(
+        fleets.iter().all(connected),
+        "{:?}",
+        fleets[0].redis_state()
+    );
+    // No script failed but at its first call (answered NOSCRIPT, then loaded): none was
+    // refused for keys in other slots. (Redis 7.0 also counts an error for each connection's
+    // `CLIENT SETINFO`, which it does not know.)
+    let errors = redis.errors();
+    let count = |kind: &str| {
+        errors
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map_or(0, |(_, n)| *n)
+    };
+    assert_eq!(count("CROSSSLOT"), 0, "{errors:?}");
+    let stats = match redis.command(&["INFO", "commandstats"]) {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("{other:?}"),
+    };
+    let field = |cmd: &str, name: &str| -> u64 {
+        stats
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+            .and_then(|l| l.split(&format!("{name}=")).nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    assert!(field("evalsha", "calls") >= 10, "{stats}");
+    let failed = field("evalsha", "failed_calls") + field("evalsha", "rejected_calls");
+    assert_eq!(failed, count("NOSCRIPT"), "{errors:?} {stats}");
+    assert_eq!(
+        field("eval", "failed_calls") + field("eval", "rejected_calls"),
+        0
+    );
+    let keys = match redis.command(&["KEYS", "*"]) {
+        redis::Value::Array(keys) => keys.len(),
+        other => panic!("{other:?}"),
+    };
+    // The gate, the budget, the processes and the schedule.
+    assert_eq!(keys, 4);
+}
