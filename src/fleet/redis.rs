@@ -1,11 +1,23 @@
 //! The fleet state of one scope shared across processes through Redis (feature `fleet-redis`).
 //!
-//! Nothing on a request's path waits for Redis but a pacing turn (one script, its
-//! admission): the gate is read from a local copy, a first attempt is counted locally, and a
-//! retry spends a retry already granted to this process. One background task per fleet talks to Redis: it flushes the counts and renews the grant
-//! (every 100 ms while requests flow), publishes closings of the gate, listens for those of
-//! the other processes, and polls the gate every second (the backstop when a message is
-//! lost). It ends when the last handle of the fleet is dropped.
+//! Nothing on a request's path waits for Redis but a pacing turn: the gate is read from a
+//! local copy, a first attempt is counted locally, and a retry spends a retry already granted
+//! to this process. One background task per fleet talks to Redis: it flushes the counts and
+//! renews the grant (every 100 ms while requests flow), publishes closings of the gate,
+//! listens for those of the other processes, and polls the gate every second (the backstop
+//! when a message is lost). It ends when the last handle of the fleet is dropped.
+//!
+//! With pacing, a second task reserves the slots of the fleet's schedule. The attempts of a
+//! process that wait for a slot queue in its line; while one reservation script is in
+//! flight, those that come queue behind it, and the next script reserves a slot for each of
+//! them, in order (one round trip for many attempts). A slot is booked at most 400 ms
+//! ahead (`RESERVE_AHEAD`), and of that, this process's share of the live processes' equal
+//! parts: a change of the fleet's rate then reaches the attempts sent within that horizon
+//! (booked further ahead, slots would keep the rate of their booking for as long as the line
+//! is, and slow start would run away from what is sent), and every process gets its turn.
+//! The attempts beyond are asked for again, together, when the schedule has half a horizon
+//! left. A script Redis does not answer within its deadline sends its attempts, and those
+//! queued behind them, to the local line.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -899,7 +911,13 @@ async fn reserve_slots(shared: Arc<Shared>) {
             Ok(Ok(reply)) => parse_reservation(&reply, batch.len()),
             _ => None,
         };
-        let Some((epoch, rate, later, slots)) = reply else {
+        let Some(Reservation {
+            epoch,
+            rate,
+            later,
+            slots,
+        }) = reply
+        else {
             shared.successes.fetch_add(successes, Ordering::AcqRel);
             // Let the task find out whether Redis is still there.
             shared.probe.store(true, Ordering::Release);
@@ -931,9 +949,19 @@ async fn reserve_slots(shared: Arc<Shared>) {
     }
 }
 
-/// The reply of [`RESERVE`] for `n` attempts: the epoch, the rate, when to ask again (µs)
-/// and each attempt's code and wait (µs).
-fn parse_reservation(reply: &[redis::Value], n: usize) -> Option<(u64, f64, u64, Vec<(i64, u64)>)> {
+/// What [`RESERVE`] answered for the attempts of one script.
+#[derive(Debug, PartialEq)]
+struct Reservation {
+    epoch: u64,
+    rate: f64,
+    /// When to ask again for those told to (µs).
+    later: u64,
+    /// Each attempt's code (1 booked, 0 refused, 2 later) and wait (µs).
+    slots: Vec<(i64, u64)>,
+}
+
+/// The reply of [`RESERVE`] for `n` attempts.
+fn parse_reservation(reply: &[redis::Value], n: usize) -> Option<Reservation> {
     let int = |v: &redis::Value| match v {
         redis::Value::Int(i) => Some(*i),
         _ => None,
@@ -951,7 +979,12 @@ fn parse_reservation(reply: &[redis::Value], n: usize) -> Option<(u64, f64, u64,
         .chunks(2)
         .map(|c| Some((int(&c[0])?, u64::try_from(int(&c[1])?).unwrap_or(0))))
         .collect::<Option<Vec<_>>>()?;
-    Some((epoch, rate, later, slots))
+    Some(Reservation {
+        epoch,
+        rate,
+        later,
+        slots,
+    })
 }
 
 /// Sends `batch`, and every attempt still in the line, to the local line.
@@ -1445,6 +1478,35 @@ mod tests {
             .unwrap()
             .poll_interval(Duration::from_secs(61))
             .is_err());
+    }
+
+    #[test]
+    fn a_reservation_reply_is_read_whole_or_not_at_all() {
+        use redis::Value::{BulkString, Int};
+        let reply = [
+            Int(3),
+            BulkString(b"47.5".to_vec()),
+            Int(150_000),
+            Int(1),
+            Int(0),
+            Int(1),
+            Int(21_052),
+            Int(2),
+            Int(410_000),
+            Int(0),
+            Int(61_000_000),
+        ];
+        let r = parse_reservation(&reply, 4).unwrap();
+        assert_eq!((r.epoch, r.rate, r.later), (3, 47.5, 150_000));
+        assert_eq!(
+            r.slots,
+            [(1, 0), (1, 21_052), (2, 410_000), (0, 61_000_000)]
+        );
+        // A reply for another number of attempts, or of another shape, is no reply.
+        assert!(parse_reservation(&reply, 3).is_none());
+        let mut bad = reply.clone();
+        bad[1] = Int(47);
+        assert!(parse_reservation(&bad, 4).is_none());
     }
 
     #[test]
