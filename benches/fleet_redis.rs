@@ -4,7 +4,7 @@
 //! then what Redis on loopback adds to each request.
 //!
 //! Needs `redis-server` on the PATH (it starts its own on a Unix socket):
-//! `cargo bench --bench fleet_redis --features fleet-redis`. About 5 minutes.
+//! `cargo bench --bench fleet_redis --features fleet-redis`. About 4 minutes.
 //!
 //! 200 clients send back to back for `RUN` (20 s a row) against a server that admits
 //! `C` = 50 requests a second. Successes take 20 ms, refusals 2 ms. Two servers:
