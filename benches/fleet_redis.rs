@@ -1,18 +1,30 @@
-//! The fleet across processes, in real time, shortened: a storm against a server with a
-//! request limit, met by one fleet, by 4 separate fleets in one process (as 4 processes
-//! without coordination would be), and by the same 4 sharing a real Redis; then what Redis
-//! on loopback adds to each request.
+//! The fleet across processes, in real time, shortened: a storm against a rate-limited
+//! server, met by one fleet, by 4 separate fleets in one process (as 4 processes without
+//! coordination would be), and by the same 4 sharing a real Redis, side by side in one run;
+//! then what Redis on loopback adds to each request.
 //!
 //! Needs `redis-server` on the PATH (it starts its own on a Unix socket):
-//! `cargo bench --bench fleet_redis --features fleet-redis`.
+//! `cargo bench --bench fleet_redis --features fleet-redis`. About 4 minutes.
 //!
-//! The server admits `CAPACITY` requests a second (a token bucket holding one second's worth)
-//! and answers the rest `429` with `Retry-After: 1`; every answer states the limit
-//! (`anthropic-ratelimit-requests-limit`, per minute). Successes take 20 ms, refusals 2 ms.
-//! Its bucket holds 100 ms worth, so a burst above the rate is refused.
-//! 64 clients send back to back for `RUN`. Rows: goodput (successes a second against the
-//! capacity), attempts per success, request latency p50 / p99, Redis round trips per first
-//! attempt (scripts run, counted by Redis).
+//! 200 clients send back to back for `RUN` (20 s a row) against a server that admits
+//! `C` = 50 requests a second. Successes take 20 ms, refusals 2 ms. Two servers:
+//!
+//! - **token bucket**: a bucket holding one second's worth, as in the storm bench's S1; above
+//!   it, `429` with `Retry-After` the whole seconds to the next token, at least 1 (so 1). No
+//!   rate-limit headers: the rate is learnt from the refusals.
+//! - **window**: 500 requests per 10 s window (C on average), counted from the server's
+//!   start; above it, `429` with `Retry-After` the whole seconds to the reset. Every answer
+//!   states the limit per minute, what is left of the window and the time to its reset
+//!   (`x-ratelimit-limit-requests: 3000`, `x-ratelimit-remaining-requests`,
+//!   `x-ratelimit-reset-requests: 3.2s`), as OpenAI does.
+//!
+//! Rows: goodput (successes a second against `C`), attempts per success, the peak of attempts
+//! the server saw in one second (against `C`), all counted by the server over the row;
+//! request latency p50 / p99 of the successes (a request still under way at the row's end is
+//! dropped),
+//! Redis round trips per first attempt (scripts run, counted by Redis).
+//! `FLEET_REDIS_ROWS=<text>` runs only the rows whose name holds `<text>`;
+//! `FLEET_REDIS_TRACE=1` prints each second of a storm row (attempts, successes, paces).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,46 +39,122 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{Layer, Service, ServiceExt};
 use tower_llm_retry::fleet::{Fleet, GateConfig, PacingConfig, RedisFleet, RedisState};
-use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
 
 #[path = "../tests/common/redis.rs"]
 #[allow(dead_code)]
 mod redis_server;
 
-const CAPACITY: f64 = 200.0;
-const CLIENTS: usize = 64;
-const RUN: Duration = Duration::from_secs(6);
-/// The bucket holds 100 ms worth: a burst above the rate is refused at once.
-const BURST: f64 = CAPACITY / 10.0;
+const CAPACITY: f64 = 50.0;
+const CLIENTS: usize = 200;
+const RUN: Duration = Duration::from_secs(20);
+/// The bucket holds one second's worth, as in the storm bench's S1.
+const BURST: f64 = CAPACITY;
+const WINDOW: Duration = Duration::from_secs(10);
 
-/// The limited server: a token bucket of `CAPACITY` a second.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// No limit at all: the added-latency rows.
+    Open,
+    Bucket,
+    Window,
+}
+
+/// The limited server, and the attempts it saw in each second.
 struct Server {
-    bucket: Mutex<(f64, Instant)>,
-    limited: bool,
+    kind: Kind,
+    /// Bucket: tokens and when they were counted. Window: requests used and the window's start.
+    state: Mutex<(f64, Instant)>,
+    started: Instant,
+    /// Attempts and successes seen in each second.
+    per_second: Vec<AtomicU64>,
+    ok_per_second: Vec<AtomicU64>,
+}
+
+/// What the server says of one attempt.
+struct Verdict {
+    ok: bool,
+    retry_after: Option<u64>,
+    /// Window: remaining, and the time to the reset.
+    window: Option<(u64, Duration)>,
 }
 
 impl Server {
-    fn new(limited: bool) -> Arc<Self> {
+    fn new(kind: Kind) -> Arc<Self> {
+        let now = Instant::now();
+        let tokens = if kind == Kind::Bucket { BURST } else { 0.0 };
         Arc::new(Server {
-            bucket: Mutex::new((BURST, Instant::now())),
-            limited,
+            kind,
+            state: Mutex::new((tokens, now)),
+            started: now,
+            per_second: (0..RUN.as_secs() + 30).map(|_| AtomicU64::new(0)).collect(),
+            ok_per_second: (0..RUN.as_secs() + 30).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
-    fn admit(&self) -> bool {
-        if !self.limited {
-            return true;
-        }
-        let mut b = self.bucket.lock().unwrap();
+    fn admit(&self) -> Verdict {
         let now = Instant::now();
-        let tokens = (b.0 + (now - b.1).as_secs_f64() * CAPACITY).min(BURST);
-        *b = (tokens, now);
-        if tokens >= 1.0 {
-            b.0 -= 1.0;
-            true
-        } else {
-            false
+        let second = (now - self.started).as_secs() as usize;
+        if let Some(c) = self.per_second.get(second) {
+            c.fetch_add(1, Ordering::Relaxed);
         }
+        let mut b = self.state.lock().unwrap();
+        let v = match self.kind {
+            Kind::Open => Verdict {
+                ok: true,
+                retry_after: None,
+                window: None,
+            },
+            Kind::Bucket => {
+                let tokens = (b.0 + (now - b.1).as_secs_f64() * CAPACITY).min(BURST);
+                *b = (tokens, now);
+                let ok = tokens >= 1.0;
+                if ok {
+                    b.0 -= 1.0;
+                }
+                Verdict {
+                    ok,
+                    retry_after: (!ok).then_some(1),
+                    window: None,
+                }
+            }
+            Kind::Window => {
+                let quota = CAPACITY * WINDOW.as_secs_f64();
+                while now - b.1 >= WINDOW {
+                    *b = (0.0, b.1 + WINDOW);
+                }
+                let ok = b.0 < quota;
+                if ok {
+                    b.0 += 1.0;
+                }
+                let reset = WINDOW - (now - b.1);
+                Verdict {
+                    ok,
+                    retry_after: (!ok).then(|| (reset.as_secs_f64().ceil() as u64).max(1)),
+                    window: Some(((quota - b.0).max(0.0) as u64, reset)),
+                }
+            }
+        };
+        if let (true, Some(c)) = (v.ok, self.ok_per_second.get(second)) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        v
+    }
+
+    /// Attempts and successes in the first `run`.
+    fn totals(&self, run: Duration) -> (u64, u64) {
+        let n = run.as_secs() as usize;
+        let sum = |v: &[AtomicU64]| v[..n].iter().map(|c| c.load(Ordering::Relaxed)).sum();
+        (sum(&self.per_second), sum(&self.ok_per_second))
+    }
+
+    /// The most attempts seen in one second of the first `run`.
+    fn peak(&self, run: Duration) -> u64 {
+        self.per_second[..run.as_secs() as usize]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -85,25 +173,30 @@ impl Service<Request<ReplayBody>> for Sim {
     fn call(&mut self, _: Request<ReplayBody>) -> Self::Future {
         let server = self.0.clone();
         Box::pin(async move {
-            let limited = server.limited;
-            let ok = server.admit();
-            if limited {
-                let latency = if ok { 20 } else { 2 };
+            let v = server.admit();
+            if server.kind != Kind::Open {
+                let latency = if v.ok { 20 } else { 2 };
                 tokio::time::sleep(Duration::from_millis(latency)).await;
             }
-            let mut res = Response::builder().status(if ok {
+            let mut res = Response::builder().status(if v.ok {
                 StatusCode::OK
             } else {
                 StatusCode::TOO_MANY_REQUESTS
             });
-            if limited {
-                res = res.header(
-                    "anthropic-ratelimit-requests-limit",
-                    format!("{}", (CAPACITY * 60.0) as u64),
-                );
+            if let Some(after) = v.retry_after {
+                res = res.header("retry-after", after.to_string());
             }
-            if !ok {
-                res = res.header("retry-after", "1");
+            if let Some((remaining, reset)) = v.window {
+                res = res
+                    .header(
+                        "x-ratelimit-limit-requests",
+                        format!("{}", (CAPACITY * 60.0) as u64),
+                    )
+                    .header("x-ratelimit-remaining-requests", remaining.to_string())
+                    .header(
+                        "x-ratelimit-reset-requests",
+                        format!("{:.3}s", reset.as_secs_f64()),
+                    );
             }
             Ok(res.body(Full::new(Bytes::new())).unwrap())
         })
@@ -141,7 +234,6 @@ fn rand_suffix() -> u64 {
 
 struct Outcome {
     successes: u64,
-    attempts: u64,
     first_attempts: u64,
     latencies: Vec<Duration>,
 }
@@ -160,13 +252,13 @@ async fn wait_connected(fleets: &[Fleet]) {
     }
 }
 
-/// `CLIENTS` clients, spread evenly over `fleets`, sending back to back for `run`.
-async fn storm(server: Arc<Server>, fleets: &[Fleet], run: Duration) -> Outcome {
+/// `clients` clients, spread evenly over `fleets`, sending back to back for `run`.
+async fn storm(server: Arc<Server>, fleets: &[Fleet], clients: usize, run: Duration) -> Outcome {
     wait_connected(fleets).await;
     let policy = RetryPolicy::default().max_retries(4);
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for c in 0..CLIENTS {
+    for c in 0..clients {
         let svc = RetryLayer::new()
             .policy(policy.clone())
             .fleet(fleets[c % fleets.len()].clone())
@@ -174,30 +266,24 @@ async fn storm(server: Arc<Server>, fleets: &[Fleet], run: Duration) -> Outcome 
         tasks.spawn(async move {
             let mut out = Outcome {
                 successes: 0,
-                attempts: 0,
                 first_attempts: 0,
                 latencies: Vec::new(),
             };
+            let end = tokio::time::Instant::from_std(start + run);
             while start.elapsed() < run {
                 let t = Instant::now();
                 let req = Request::post("http://bench/v1/messages")
                     .body(Full::new(Bytes::from_static(b"{}")))
                     .unwrap();
-                let res = svc.clone().oneshot(req).await;
                 out.first_attempts += 1;
-                match res {
-                    Ok(res) => {
-                        out.attempts += res
-                            .extensions()
-                            .get::<RetryTrail>()
-                            .map_or(1, |t| u64::from(t.total_attempts()));
-                        if res.status() == StatusCode::OK {
-                            out.successes += 1;
-                            out.latencies.push(t.elapsed());
-                        }
-                    }
-                    Err(e) => {
-                        out.attempts += e.trail().map_or(1, |t| u64::from(t.total_attempts()));
+                // The row ends at `run`: a request still under way then is dropped.
+                let Ok(res) = tokio::time::timeout_at(end, svc.clone().oneshot(req)).await else {
+                    break;
+                };
+                if let Ok(res) = res {
+                    if res.status() == StatusCode::OK {
+                        out.successes += 1;
+                        out.latencies.push(t.elapsed());
                     }
                 }
             }
@@ -206,14 +292,12 @@ async fn storm(server: Arc<Server>, fleets: &[Fleet], run: Duration) -> Outcome 
     }
     let mut all = Outcome {
         successes: 0,
-        attempts: 0,
         first_attempts: 0,
         latencies: Vec::new(),
     };
     while let Some(o) = tasks.join_next().await {
         let o = o.unwrap();
         all.successes += o.successes;
-        all.attempts += o.attempts;
         all.first_attempts += o.first_attempts;
         all.latencies.extend(o.latencies);
     }
@@ -228,31 +312,8 @@ fn pct(v: &[Duration], p: f64) -> Duration {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Round trips to Redis so far: the scripts run (a command a script calls is not one), the
-/// scripts loaded, the subscriptions.
-fn commands(redis: &redis_server::RedisServer) -> u64 {
-    let text = match redis.command(&["INFO", "commandstats"]) {
-        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        _ => return 0,
-    };
-    text.lines()
-        .filter(|l| {
-            [
-                "cmdstat_evalsha:",
-                "cmdstat_eval:",
-                "cmdstat_script|load:",
-                "cmdstat_subscribe:",
-            ]
-            .iter()
-            .any(|p| l.starts_with(p))
-        })
-        .filter_map(|l| {
-            let calls = l.split("calls=").nth(1)?.split(',').next()?;
-            calls.parse::<u64>().ok()
-        })
-        .sum()
-}
+/// Clients of the added-latency rows.
+const LATENCY_CLIENTS: usize = 64;
 
 #[tokio::main]
 async fn main() {
@@ -261,51 +322,90 @@ async fn main() {
         return;
     };
     let url = redis.url();
+    // `FLEET_REDIS_ROWS=window` runs only the rows whose name holds it.
+    let only = std::env::var("FLEET_REDIS_ROWS").ok();
+    // `FLEET_REDIS_TRACE=1` prints each second of each storm row to stderr.
+    let trace = std::env::var_os("FLEET_REDIS_TRACE").is_some();
+    println!("storm: {CLIENTS} clients for {RUN:?} a row against C = {CAPACITY} requests/s");
     println!(
-        "storm: {CLIENTS} clients for {RUN:?} against {CAPACITY} requests/s (429 Retry-After 1 s above)"
+        "| server | mode | fleets | goodput | attempts/success | peak/s | p50 | p99 | Redis round trips/first attempt |"
     );
-    println!(
-        "| mode | fleets | goodput | attempts/success | p50 | p99 | Redis round trips/first attempt |"
-    );
-    println!("|---|---|---|---|---|---|---|");
-    for mode in [Mode::GateBudget, Mode::Pacing] {
-        let name = match mode {
-            Mode::GateBudget => "gate + budget",
-            Mode::Pacing => "gate + budget + pacing",
-        };
-        for (label, n, shared) in [
-            ("1 fleet", 1, false),
-            ("4 separate fleets", 4, false),
-            ("4 fleets, one Redis", 4, true),
-        ] {
-            let prefix = format!("bench-storm-{}", rand_suffix());
-            let fleets: Vec<Fleet> = (0..n)
-                .map(|_| {
-                    let redis = shared.then_some((url.as_str(), prefix.as_str()));
-                    fleet(mode, PacingConfig::new(), redis)
-                })
-                .collect();
-            wait_connected(&fleets).await;
-            let before = commands(&redis);
-            let o = storm(Server::new(true), &fleets, RUN).await;
-            let cmds = commands(&redis).saturating_sub(before);
-            println!(
-                "| {name} | {label} | {:.2} C | {:.2} | {:.0} ms | {:.0} ms | {} |",
-                o.successes as f64 / RUN.as_secs_f64() / CAPACITY,
-                o.attempts as f64 / o.successes.max(1) as f64,
-                pct(&o.latencies, 0.5).as_secs_f64() * 1e3,
-                pct(&o.latencies, 0.99).as_secs_f64() * 1e3,
-                if shared {
-                    format!("{:.2}", cmds as f64 / o.first_attempts.max(1) as f64)
-                } else {
-                    "—".to_owned()
-                },
-            );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for kind in [Kind::Bucket, Kind::Window] {
+        for mode in [Mode::Pacing, Mode::GateBudget] {
+            let server_name = match kind {
+                Kind::Bucket => "token bucket, Retry-After",
+                _ => "window, limit headers",
+            };
+            let name = match mode {
+                Mode::GateBudget => "gate + budget",
+                Mode::Pacing => "gate + budget + pacing",
+            };
+            for (label, n, shared) in [
+                ("1 fleet", 1, false),
+                ("4 separate fleets", 4, false),
+                ("4 fleets, one Redis", 4, true),
+            ] {
+                let row = format!("{server_name} | {name} | {label}");
+                if !only.as_ref().is_none_or(|o| row.contains(o.as_str())) {
+                    continue;
+                }
+                let prefix = format!("bench-storm-{}", rand_suffix());
+                let fleets: Vec<Fleet> = (0..n)
+                    .map(|_| {
+                        let redis = shared.then_some((url.as_str(), prefix.as_str()));
+                        fleet(mode, PacingConfig::new(), redis)
+                    })
+                    .collect();
+                wait_connected(&fleets).await;
+                let before = redis.round_trips();
+                let server = Server::new(kind);
+                let timeline = trace.then(|| {
+                    let (server, fleets) = (server.clone(), fleets.clone());
+                    tokio::spawn(async move {
+                        let start = Instant::now();
+                        for second in 0..RUN.as_secs() as usize {
+                            tokio::time::sleep_until((start + Duration::from_secs(second as u64 + 1)).into()).await;
+                            let paces: Vec<String> = fleets.iter().map(|f| format!("{:.1}", f.pace().unwrap_or(0.0))).collect();
+                            let gates = fleets.iter().filter(|f| f.gate_closed_until().is_some()).count();
+                            eprintln!(
+                                "  {second:>2}s attempts {:>4} ok {:>4} pace [{}] gates closed {gates} closings {:?} refused {:?}",
+                                server.per_second[second].load(Ordering::Relaxed),
+                                server.ok_per_second[second].load(Ordering::Relaxed),
+                                paces.join(" "),
+                                fleets.iter().map(|f| f.gate_closings().unwrap_or(0)).sum::<u64>(),
+                                fleets.iter().map(|f| f.pacing_refused().unwrap_or(0)).sum::<u64>(),
+                            );
+                        }
+                    })
+                });
+                let o = storm(server.clone(), &fleets, CLIENTS, RUN).await;
+                if let Some(t) = timeline {
+                    let _ = t.await;
+                }
+                let cmds = redis.round_trips().saturating_sub(before);
+                let (attempts, successes) = server.totals(RUN);
+                println!(
+                    "| {row} | {:.2} C | {:.2} | {:.2} C | {:.0} ms | {:.0} ms | {} |",
+                    successes as f64 / RUN.as_secs_f64() / CAPACITY,
+                    attempts as f64 / successes.max(1) as f64,
+                    server.peak(RUN) as f64 / CAPACITY,
+                    pct(&o.latencies, 0.5).as_secs_f64() * 1e3,
+                    pct(&o.latencies, 0.99).as_secs_f64() * 1e3,
+                    if shared {
+                        format!("{:.2}", cmds as f64 / o.first_attempts.max(1) as f64)
+                    } else {
+                        "—".to_owned()
+                    },
+                );
+            }
         }
     }
 
     println!();
-    println!("added latency: {CLIENTS} clients back to back against an instant server, 2 s each");
+    println!(
+        "added latency: {LATENCY_CLIENTS} clients back to back against an instant server, 2 s each"
+    );
     println!("| fleet | requests/s | p50 | p99 | Redis round trips/request |");
     println!("|---|---|---|---|---|");
     for (label, mode, shared) in [
@@ -314,6 +414,9 @@ async fn main() {
         ("local, pacing", Mode::Pacing, false),
         ("Redis, pacing", Mode::Pacing, true),
     ] {
+        if !only.as_ref().is_none_or(|o| label.contains(o.as_str())) {
+            continue;
+        }
         // A rate no client reaches: what is measured is the admission, not the wait.
         let pacing = PacingConfig::new().rates(1.0e6, 1.0, 1.0e6).unwrap();
         let prefix = format!("bench-latency-{}", rand_suffix());
@@ -323,14 +426,15 @@ async fn main() {
             shared.then_some((url.as_str(), prefix.as_str())),
         );
         wait_connected(std::slice::from_ref(&f)).await;
-        let before = commands(&redis);
+        let before = redis.round_trips();
         let o = storm(
-            Server::new(false),
+            Server::new(Kind::Open),
             std::slice::from_ref(&f),
+            LATENCY_CLIENTS,
             Duration::from_secs(2),
         )
         .await;
-        let cmds = commands(&redis).saturating_sub(before);
+        let cmds = redis.round_trips().saturating_sub(before);
         println!(
             "| {label} | {:.0} | {:.0} µs | {:.0} µs | {} |",
             o.successes as f64 / 2.0,

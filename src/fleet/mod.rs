@@ -139,8 +139,9 @@
 //!   and on return hands Redis the gate deadline it learnt meanwhile (Redis keeps the later).
 //!   Keys or scripts that were lost come back with the next call.
 //!
-//! - **Pacing**: one shared GCRA schedule per scope: an attempt reserves the next slot (one
-//!   script, its admission), then sleeps locally for it. The rate is learnt as in one
+//! - **Pacing**: one shared GCRA schedule per scope: an attempt reserves the next slot, then
+//!   sleeps locally for it; the attempts of a process that wait together reserve theirs in
+//!   one script, booked at most 400 ms ahead, each process its share. The rate is learnt as in one
 //!   process (slow start while attempts queue, `growth` per success, `decrease` per
 //!   refusal) but in Redis, so a refusal decreases it once per fleet, not once per process;
 //!   successes are reported with the next reservation, at no round trip of their own; a

@@ -1,11 +1,23 @@
 //! The fleet state of one scope shared across processes through Redis (feature `fleet-redis`).
 //!
-//! Nothing on a request's path waits for Redis but a pacing turn (one script, its
-//! admission): the gate is read from a local copy, a first attempt is counted locally, and a
-//! retry spends a retry already granted to this process. One background task per fleet talks to Redis: it flushes the counts and renews the grant
-//! (every 100 ms while requests flow), publishes closings of the gate, listens for those of
-//! the other processes, and polls the gate every second (the backstop when a message is
-//! lost). It ends when the last handle of the fleet is dropped.
+//! Nothing on a request's path waits for Redis but a pacing turn: the gate is read from a
+//! local copy, a first attempt is counted locally, and a retry spends a retry already granted
+//! to this process. One background task per fleet talks to Redis: it flushes the counts and
+//! renews the grant (every 100 ms while requests flow), publishes closings of the gate,
+//! listens for those of the other processes, and polls the gate every second (the backstop
+//! when a message is lost). It ends when the last handle of the fleet is dropped.
+//!
+//! With pacing, a second task reserves the slots of the fleet's schedule. The attempts of a
+//! process that wait for a slot queue in its line; while one reservation script is in
+//! flight, those that come queue behind it, and the next script reserves a slot for each of
+//! them, in order (one round trip for many attempts). A slot is booked at most 400 ms
+//! ahead (`RESERVE_AHEAD`), and of that, this process's share of the live processes' equal
+//! parts: a change of the fleet's rate then reaches the attempts sent within that horizon
+//! (booked further ahead, slots would keep the rate of their booking for as long as the line
+//! is, and slow start would run away from what is sent), and every process gets its turn.
+//! The attempts beyond are asked for again, together, when the schedule has half a horizon
+//! left. A script Redis does not answer within its deadline sends its attempts, and those
+//! queued behind them, to the local line.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -305,11 +317,19 @@ return {grant, cur}
 /// The longest pause between two attempts to reach Redis again.
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
-/// Reserves the next slot of the fleet's pacing schedule (GCRA: one theoretical arrival time
-/// per scope), unless it is further off than the attempt may wait. The rate is learnt as in
-/// one process: while attempts queue it doubles every second until the first refusal (slow
-/// start), then grows by `growth` per success reported; a stated limit caps it. Returns
-/// whether the slot was booked, the wait for it (ms), the epoch and the rate.
+/// Reserves slots of the fleet's pacing schedule (GCRA: one theoretical arrival time per
+/// scope) for the `n` attempts of one process that wait for one, in their order, one slot
+/// each. A slot is booked only within the horizon (`ARGV[6]` ms ahead) and, of it, only this
+/// process's share (one of the live processes' equal parts, at least one slot): a rate learnt now
+/// then reaches the slots sent soon, instead of slots booked seconds ahead at the rate of
+/// their booking, and every process gets its turn. An attempt whose slot would come later
+/// than it may wait (`ARGV[8 + i]` ms) is refused; the others are asked for again when the
+/// schedule has half a horizon left (after a quarter of one at the soonest).
+///
+/// The rate is learnt as in one process: while the schedule is booked ahead it doubles every
+/// second until the first refusal (slow start), then grows by `growth` per success reported;
+/// a stated limit caps it. Returns the epoch, the rate, when to ask again (µs; 0: nothing
+/// left) and, per attempt, a code (1 booked, 0 refused, 2 later) and the wait (µs).
 const RESERVE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -331,15 +351,32 @@ if tat > now then
   end
 end
 if tat < now then tat = now end
-local wait = tat - now
+local horizon = tonumber(ARGV[6])
+local procs = math.max(1, tonumber(ARGV[7]), redis.call('ZCARD', KEYS[2]))
+local share = math.max(1, math.ceil(horizon * rate / 1000 / procs))
+local n = #ARGV - 7
+local out = {epoch, tostring(rate), 0}
 local booked = 0
-if wait <= tonumber(ARGV[6]) then
-  booked = 1
-  tat = tat + 1000 / rate
+local ahead = tat
+for i = 1, n do
+  local wait = ahead - now
+  local code = 2
+  if wait > tonumber(ARGV[7 + i]) then
+    code = 0
+  elseif booked < share and wait <= horizon then
+    code = 1
+    booked = booked + 1
+    tat = tat + 1000 / rate
+  elseif out[3] == 0 then
+    out[3] = math.floor(math.max(wait - horizon / 2, horizon / 4) * 1000)
+  end
+  if code == 1 then ahead = tat elseif code == 2 then ahead = ahead + 1000 / rate end
+  out[#out + 1] = code
+  out[#out + 1] = math.floor(wait * 1000)
 end
 redis.call('HSET', KEYS[1], 'tat', tat, 'rate', rate, 'epoch', epoch, 'ss', ss, 'cap', cap, 'last', now)
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return {booked, math.ceil(wait), epoch, tostring(rate)}
+return out
 ";
 
 /// A refusal of an attempt sent in epoch `ARGV[1]`: the fleet's rate decreases once per
@@ -405,6 +442,9 @@ struct Shared {
     /// The connection, once made: the pacing reserves its slots through it.
     conn: OnceLock<ConnectionManager>,
     reserve: redis::Script,
+    /// The attempts of this process waiting for a slot of the fleet's schedule, in order.
+    line: Mutex<std::collections::VecDeque<Waiter>>,
+    line_wake: Notify,
     /// The fleet's pacing rate as last read (f64 bits; 0: not known).
     rate: AtomicU64,
     /// Successes to report with the next reservation; a refusal (the highest epoch) and a
@@ -458,6 +498,8 @@ impl Link {
             pacer,
             conn: OnceLock::new(),
             reserve: redis::Script::new(RESERVE),
+            line: Mutex::default(),
+            line_wake: Notify::new(),
             rate: AtomicU64::new(0),
             successes: AtomicU64::new(0),
             refusal: Mutex::new(None),
@@ -499,6 +541,9 @@ impl Link {
         let mut start = self.start.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(source) = start.take() {
             handle.spawn(run(self.shared.clone(), source));
+            if self.shared.pacer.is_some() {
+                handle.spawn(reserve_slots(self.shared.clone()));
+            }
             let _ = self.started.set(());
         }
     }
@@ -595,52 +640,27 @@ impl Link {
     }
 
     /// A turn of the fleet's schedule, for an attempt that may wait `max_wait` for it; `None`
-    /// when out of touch (the local line is used then).
+    /// when out of touch (the local line is used then). The attempt joins this process's line
+    /// of attempts waiting for a slot: they are reserved together, one script for all of them.
     pub(crate) fn reserve(&self, max_wait: Duration) -> Option<RemoteTurn> {
         self.ensure_started();
         let s = &self.shared;
-        let config = s.pacer.as_ref()?.config();
-        if s.mode.load(Ordering::Acquire) != CONNECTED {
+        s.pacer.as_ref()?;
+        if s.mode.load(Ordering::Acquire) != CONNECTED || s.conn.get().is_none() {
             return None;
         }
-        let mut conn = s.conn.get()?.clone();
-        let shared = s.clone();
-        let successes = s.successes.swap(0, Ordering::AcqRel);
-        let (initial, max, growth) = (config.initial(), config.get_max(), config.get_growth());
-        let reserve = async move {
-            let mut inv = shared.reserve.prepare_invoke();
-            inv.key(&shared.keys.pace)
-                .arg(initial)
-                .arg(config.get_min())
-                .arg(max)
-                .arg(growth)
-                .arg(successes)
-                .arg(ms(max_wait));
-            let call = inv.invoke_async::<(i64, i64, i64, String)>(&mut conn);
-            match tokio::time::timeout(shared.call_timeout, call).await {
-                Ok(Ok((booked, wait_ms, epoch, rate))) => {
-                    if let Ok(rate) = rate.parse::<f64>() {
-                        shared.learnt_rate(rate);
-                    }
-                    let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
-                    let epoch = u64::try_from(epoch).unwrap_or(0);
-                    Ok(if booked == 1 {
-                        Reserved::Go(wait, epoch)
-                    } else {
-                        Reserved::TooFar(wait)
-                    })
-                }
-                _ => {
-                    shared.successes.fetch_add(successes, Ordering::AcqRel);
-                    // Let the task find out whether Redis is still there.
-                    shared.probe.store(true, Ordering::Release);
-                    shared.wake.notify_one();
-                    Err(())
-                }
-            }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let waiter = Waiter {
+            give_up_at: Instant::now() + max_wait,
+            tx,
         };
+        s.line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(waiter);
+        s.line_wake.notify_one();
         Some(RemoteTurn {
-            reserve: Some(sync_wrapper::SyncWrapper::new(Box::pin(reserve))),
+            reserve: Some(rx),
             sleep: None,
         })
     }
@@ -672,9 +692,11 @@ impl Link {
     }
 }
 
-type ReserveFuture = sync_wrapper::SyncWrapper<
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reserved, ()>> + Send>>,
->;
+/// An attempt waiting for a slot of the fleet's schedule.
+struct Waiter {
+    give_up_at: Instant,
+    tx: tokio::sync::oneshot::Sender<Result<Reserved, ()>>,
+}
 
 enum Reserved {
     Go(Duration, u64),
@@ -684,7 +706,7 @@ enum Reserved {
 /// An attempt's turn of the fleet's pacing schedule: the reservation, then a local sleep
 /// until its slot.
 pub(crate) struct RemoteTurn {
-    reserve: Option<ReserveFuture>,
+    reserve: Option<tokio::sync::oneshot::Receiver<Result<Reserved, ()>>>,
     sleep: Option<(std::pin::Pin<Box<tokio::time::Sleep>>, u64)>,
 }
 
@@ -706,10 +728,13 @@ impl RemoteTurn {
         use std::future::Future;
         use std::task::Poll;
         if let Some(reserve) = &mut self.reserve {
-            let reserved = std::task::ready!(reserve.get_mut().as_mut().poll(cx));
+            let reserved = std::task::ready!(std::pin::Pin::new(reserve).poll(cx));
             self.reserve = None;
-            match reserved {
-                Ok(Reserved::Go(wait, epoch)) if wait.is_zero() => {
+            // The sender gone (the fleet dropped): the local line.
+            match reserved.unwrap_or(Err(())) {
+                // The timer counts whole milliseconds: a shorter sleep would end up to a
+                // millisecond late, so a slot less than half of one away is taken at once.
+                Ok(Reserved::Go(wait, epoch)) if wait < Duration::from_micros(500) => {
                     return Poll::Ready(RemoteOutcome::Go(epoch));
                 }
                 Ok(Reserved::Go(wait, epoch)) => {
@@ -815,6 +840,164 @@ fn divide(config: BudgetConfig, processes: u32) -> BudgetConfig {
     let n = processes.max(1);
     BudgetConfig::new(config.ttl(), config.min_per_sec() / n, config.retry_ratio())
         .unwrap_or(config)
+}
+
+/// How far ahead a slot of the fleet's schedule is booked: a change of rate reaches the
+/// attempts sent after this much. The attempts further back wait in their process's line,
+/// asked for together when the schedule has half of it left.
+const RESERVE_AHEAD: Duration = Duration::from_millis(400);
+
+/// The most attempts one script reserves slots for.
+const MAX_BATCH: usize = 128;
+
+/// The reservations of one fleet: while one script is in flight, the attempts that come
+/// queue in the process's line, and the next script reserves slots for all of them.
+async fn reserve_slots(shared: Arc<Shared>) {
+    let Some(config) = shared.pacer.as_ref().map(|p| p.config()) else {
+        return;
+    };
+    let mut ask_at: Option<Instant> = None;
+    loop {
+        let waiting = !shared
+            .line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty();
+        let due = ask_at.is_none_or(|at| Instant::now() >= at);
+        if !(waiting && due) {
+            let at = ask_at.unwrap_or_else(Instant::now);
+            tokio::select! {
+                biased;
+                () = shared.cancel.cancelled() => return,
+                () = shared.line_wake.notified() => {}
+                () = tokio::time::sleep_until(at), if ask_at.is_some() => ask_at = None,
+            }
+            continue;
+        }
+        ask_at = None;
+        let now = Instant::now();
+        let batch: Vec<Waiter> = {
+            let mut line = shared.line.lock().unwrap_or_else(PoisonError::into_inner);
+            line.retain(|w| !w.tx.is_closed());
+            let n = line.len().min(MAX_BATCH);
+            line.drain(..n).collect()
+        };
+        if batch.is_empty() {
+            continue;
+        }
+        let conn = shared.conn.get().cloned();
+        let (Some(mut conn), true) = (conn, shared.mode.load(Ordering::Acquire) == CONNECTED)
+        else {
+            // Out of touch: the local line, for these and those behind them.
+            fail_all(&shared, batch);
+            continue;
+        };
+        let successes = shared.successes.swap(0, Ordering::AcqRel);
+        let mut inv = shared.reserve.prepare_invoke();
+        inv.key(&shared.keys.pace)
+            .key(&shared.keys.procs)
+            .arg(config.initial())
+            .arg(config.get_min())
+            .arg(config.get_max())
+            .arg(config.get_growth())
+            .arg(successes)
+            .arg(ms(RESERVE_AHEAD))
+            .arg(shared.processes.load(Ordering::Relaxed).max(1));
+        for w in &batch {
+            inv.arg(w.give_up_at.saturating_duration_since(now).as_secs_f64() * 1e3);
+        }
+        let call = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
+        let reply = match tokio::time::timeout(shared.call_timeout, call).await {
+            Ok(Ok(reply)) => parse_reservation(&reply, batch.len()),
+            _ => None,
+        };
+        let Some(Reservation {
+            epoch,
+            rate,
+            later,
+            slots,
+        }) = reply
+        else {
+            shared.successes.fetch_add(successes, Ordering::AcqRel);
+            // Let the task find out whether Redis is still there.
+            shared.probe.store(true, Ordering::Release);
+            shared.wake.notify_one();
+            fail_all(&shared, batch);
+            continue;
+        };
+        shared.learnt_rate(rate);
+        let mut again = Vec::new();
+        for (w, (code, wait)) in batch.into_iter().zip(slots) {
+            let wait = Duration::from_micros(wait);
+            match code {
+                1 => {
+                    let _ = w.tx.send(Ok(Reserved::Go(wait, epoch)));
+                }
+                0 => {
+                    let _ = w.tx.send(Ok(Reserved::TooFar(wait)));
+                }
+                _ => again.push(w),
+            }
+        }
+        if !again.is_empty() {
+            let mut line = shared.line.lock().unwrap_or_else(PoisonError::into_inner);
+            for w in again.into_iter().rev() {
+                line.push_front(w);
+            }
+            ask_at = Some(Instant::now() + Duration::from_micros(later));
+        }
+    }
+}
+
+/// What [`RESERVE`] answered for the attempts of one script.
+#[derive(Debug, PartialEq)]
+struct Reservation {
+    epoch: u64,
+    rate: f64,
+    /// When to ask again for those told to (µs).
+    later: u64,
+    /// Each attempt's code (1 booked, 0 refused, 2 later) and wait (µs).
+    slots: Vec<(i64, u64)>,
+}
+
+/// The reply of [`RESERVE`] for `n` attempts.
+fn parse_reservation(reply: &[redis::Value], n: usize) -> Option<Reservation> {
+    let int = |v: &redis::Value| match v {
+        redis::Value::Int(i) => Some(*i),
+        _ => None,
+    };
+    if reply.len() != 3 + 2 * n {
+        return None;
+    }
+    let epoch = u64::try_from(int(&reply[0])?).ok()?;
+    let rate = match &reply[1] {
+        redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse::<f64>().ok()?,
+        _ => return None,
+    };
+    let later = u64::try_from(int(&reply[2])?).unwrap_or(0);
+    let slots = reply[3..]
+        .chunks(2)
+        .map(|c| Some((int(&c[0])?, u64::try_from(int(&c[1])?).unwrap_or(0))))
+        .collect::<Option<Vec<_>>>()?;
+    Some(Reservation {
+        epoch,
+        rate,
+        later,
+        slots,
+    })
+}
+
+/// Sends `batch`, and every attempt still in the line, to the local line.
+fn fail_all(shared: &Shared, batch: Vec<Waiter>) {
+    let rest: Vec<Waiter> = shared
+        .line
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .drain(..)
+        .collect();
+    for w in batch.into_iter().chain(rest) {
+        let _ = w.tx.send(Err(()));
+    }
 }
 
 /// What the background task holds between rounds.
@@ -1295,6 +1478,35 @@ mod tests {
             .unwrap()
             .poll_interval(Duration::from_secs(61))
             .is_err());
+    }
+
+    #[test]
+    fn a_reservation_reply_is_read_whole_or_not_at_all() {
+        use redis::Value::{BulkString, Int};
+        let reply = [
+            Int(3),
+            BulkString(b"47.5".to_vec()),
+            Int(150_000),
+            Int(1),
+            Int(0),
+            Int(1),
+            Int(21_052),
+            Int(2),
+            Int(410_000),
+            Int(0),
+            Int(61_000_000),
+        ];
+        let r = parse_reservation(&reply, 4).unwrap();
+        assert_eq!((r.epoch, r.rate, r.later), (3, 47.5, 150_000));
+        assert_eq!(
+            r.slots,
+            [(1, 0), (1, 21_052), (2, 410_000), (0, 61_000_000)]
+        );
+        // A reply for another number of attempts, or of another shape, is no reply.
+        assert!(parse_reservation(&reply, 3).is_none());
+        let mut bad = reply.clone();
+        bad[1] = Int(47);
+        assert!(parse_reservation(&bad, 4).is_none());
     }
 
     #[test]

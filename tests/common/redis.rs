@@ -13,12 +13,45 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: PathBuf,
     socket: PathBuf,
+    /// A cluster node listens on this TCP port of 127.0.0.1 (a cluster needs one, for its
+    /// bus) besides the socket.
+    cluster_port: Option<u16>,
 }
 
 impl RedisServer {
     /// A fresh server, or `None` (with a notice) when `redis-server` is not installed and
     /// this is not CI.
     pub fn start() -> Option<Self> {
+        Self::start_with(None)
+    }
+
+    /// A fresh single-node Redis Cluster: one node, owning every hash slot, its state ok.
+    /// `None` as for [`start`](Self::start).
+    pub fn start_cluster() -> Option<Self> {
+        // A free port whose bus port (+10000) is a port too.
+        let port = (0..50)
+            .filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok())
+            .filter_map(|l| l.local_addr().ok())
+            .map(|a| a.port())
+            .find(|p| *p <= 55_535)
+            .expect("a free port");
+        let server = Self::start_with(Some(port))?;
+        server.command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
+        for _ in 0..400 {
+            let info = match server.command(&["CLUSTER", "INFO"]) {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                redis::Value::VerbatimString { text, .. } => text,
+                _ => String::new(),
+            };
+            if info.contains("cluster_state:ok") {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("the cluster node did not reach cluster_state:ok within 2 s");
+    }
+
+    fn start_with(cluster_port: Option<u16>) -> Option<Self> {
         static N: AtomicU32 = AtomicU32::new(0);
         let installed = Command::new("redis-server")
             .arg("--version")
@@ -45,14 +78,26 @@ impl RedisServer {
             child: None,
             dir,
             socket,
+            cluster_port,
         };
         server.launch();
         Some(server)
     }
 
     fn launch(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", "0", "--unixsocket"])
+        let mut cmd = Command::new("redis-server");
+        match self.cluster_port {
+            Some(port) => {
+                cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                    .arg(self.dir.join("nodes.conf"));
+            }
+            None => {
+                cmd.args(["--port", "0"]);
+            }
+        }
+        let child = cmd
+            .arg("--unixsocket")
             .arg(&self.socket)
             .args([
                 "--unixsocketperm",
@@ -93,6 +138,27 @@ impl RedisServer {
         format!("redis+unix://{}", self.socket.display())
     }
 
+    /// The URL of a cluster node's TCP port (the one clients of a cluster use).
+    pub fn tcp_url(&self) -> Option<String> {
+        Some(format!("redis://127.0.0.1:{}/", self.cluster_port?))
+    }
+
+    /// The errors Redis has answered so far, by kind (`INFO errorstats`): `("NOSCRIPT", 1)`.
+    pub fn errors(&self) -> Vec<(String, u64)> {
+        let text = match self.command(&["INFO", "errorstats"]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            _ => String::new(),
+        };
+        text.lines()
+            .filter_map(|l| {
+                let (kind, rest) = l.strip_prefix("errorstat_")?.split_once(':')?;
+                let count = rest.strip_prefix("count=")?.trim().parse().ok()?;
+                Some((kind.to_owned(), count))
+            })
+            .collect()
+    }
+
     /// Kills it (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -105,6 +171,36 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         self.launch();
+    }
+
+    /// The round trips Redis has answered so far: the scripts run (a command a script calls
+    /// is not one), the scripts loaded, the subscriptions.
+    pub fn round_trips(&self) -> u64 {
+        let text = match self.command(&["INFO", "commandstats"]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            _ => return 0,
+        };
+        text.lines()
+            .filter(|l| {
+                [
+                    "cmdstat_evalsha:",
+                    "cmdstat_eval:",
+                    "cmdstat_script|load:",
+                    "cmdstat_subscribe:",
+                ]
+                .iter()
+                .any(|p| l.starts_with(p))
+            })
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
     }
 
     /// Runs one command on a connection of its own.

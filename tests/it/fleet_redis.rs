@@ -782,3 +782,252 @@ async fn a_pacing_turn_waits_no_longer_than_one_redis_deadline_when_redis_freeze
     let back = within(Duration::from_secs(3), || connected(&fleet)).await;
     assert!(back.is_some(), "{:?}", fleet.redis_state());
 }
+
+/// A fleet with the shared pacing alone (no gate, no budget: the only scripts are the
+/// reservations and the poll), at a fixed `rate`.
+fn paced_only(redis: &RedisServer, rate: f64) -> Fleet {
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(rate, 1.0, rate)
+        .unwrap();
+    Fleet::builder()
+        .budget(None)
+        .pacing(Some(pacing))
+        .redis(patient(store(redis)))
+        .build()
+}
+
+/// Sends `n` requests at once through each of `stacks`, each marked with its stack's
+/// index; all must succeed.
+async fn at_once(stacks: &[Retry<HttpClient>], server: &MockServer, n: usize) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, svc) in stacks.iter().enumerate() {
+        for _ in 0..n {
+            let svc = svc.clone();
+            let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+            req.headers_mut().insert("x-fleet", i.into());
+            tasks.spawn(async move { svc.oneshot(req).await.unwrap().status() });
+        }
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn attempts_waiting_together_reserve_their_slots_in_one_script() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    // A rate no request reaches: every slot is due at once, and what is counted is how the
+    // attempts ask for them.
+    let fleet = paced_only(&redis, 100_000.0);
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let stacks = [stack(&fleet, policy())];
+    at_once(&stacks, &server, 8).await;
+    let before = redis.round_trips();
+    for _ in 0..4 {
+        at_once(&stacks, &server, 64).await;
+    }
+    let trips = redis.round_trips() - before;
+    assert_eq!(server.request_count(), 8 + 256);
+    // One script per attempt would be 256; while one is in flight the others queue, and the
+    // next reserves for all of them.
+    assert!(trips <= 64, "{trips} round trips for 256 attempts");
+}
+
+#[tokio::test]
+async fn coalesced_slots_keep_the_shared_spacing_and_every_process_its_turn() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    // 20 a second for the fleet: 50 ms apart, whichever of the two sends.
+    let fleets = [paced_only(&redis, 20.0), paced_only(&redis, 20.0)];
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    let before = redis.round_trips();
+    let start = Instant::now();
+    at_once(&stacks, &server, 12).await;
+    let trips = redis.round_trips() - before;
+    let mut sent: Vec<(Duration, String)> = server
+        .requests()
+        .iter()
+        .map(|r| {
+            let fleet = r.headers["x-fleet"].to_str().unwrap().to_owned();
+            (r.received_at - start, fleet)
+        })
+        .collect();
+    sent.sort();
+    assert_eq!(sent.len(), 24);
+    let at: Vec<Duration> = sent.iter().map(|(t, _)| *t).collect();
+    // 24 slots 50 ms apart take 1.15 s, as one schedule; two fleets booking on their own
+    // would have sent them in 0.55 s.
+    let span = *at.last().unwrap() - at[0];
+    assert!(span >= Duration::from_millis(1_050), "{span:?}");
+    assert_within_limit(&at);
+    // Each fleet books its share of what lies ahead, not the whole of it: in the first
+    // half, both sent.
+    let first_half: Vec<&str> = sent[..12].iter().map(|(_, f)| f.as_str()).collect();
+    for fleet in ["0", "1"] {
+        let n = first_half.iter().filter(|f| **f == fleet).count();
+        assert!(
+            n >= 3,
+            "fleet {fleet} sent {n} of the first 12: {first_half:?}"
+        );
+    }
+    // Far fewer scripts than attempts: a slot a script, 24 and more.
+    assert!(trips < 20, "{trips} round trips for 24 attempts");
+}
+
+#[tokio::test]
+async fn attempts_queued_for_a_slot_go_to_the_local_line_when_redis_freezes() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = Fleet::builder()
+        .budget(None)
+        .pacing(Some(
+            tower_llm_retry::fleet::PacingConfig::new()
+                .rates(20.0, 1.0, 20.0)
+                .unwrap(),
+        ))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let stacks = [stack(&fleet, policy())];
+    let start = Instant::now();
+    let run = at_once(&stacks, &server, 30);
+    // 30 slots at 20 a second: 1.5 s. Redis stops answering while most of them wait in the
+    // process's line for the next reservation.
+    let freeze = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        redis.command(&["CLIENT", "PAUSE", "3000", "ALL"]);
+    };
+    tokio::join!(run, freeze);
+    let took = start.elapsed();
+    assert_eq!(server.request_count(), 30);
+    // Every one was sent: those Redis booked in its slot, the rest from the local line at
+    // this process's share of the rate (the whole of it: one process), without waiting for
+    // Redis to come back.
+    assert!(took < Duration::from_millis(2_600), "{took:?}");
+    let at: Vec<Duration> = server
+        .requests()
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    assert_within_limit(&at);
+    assert!(
+        !connected(&fleet),
+        "{:?} after a 3 s pause",
+        fleet.redis_state()
+    );
+}
+
+#[tokio::test]
+async fn every_script_runs_on_a_single_node_cluster_without_crossslot_and_coordinates() {
+    // A cluster node that owns every hash slot answers every command itself, so the plain
+    // connection manager talks to it; what a cluster adds is that a script's keys must share
+    // one slot, which the scope's hash tag gives them.
+    let Some(redis) = RedisServer::start_cluster() else {
+        return;
+    };
+    let url = redis.tcp_url().unwrap();
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::success().header("anthropic-ratelimit-requests-limit", "1200"))
+            .then(Reply::status(529))
+            .then(Reply::success())
+            .then(Reply::rate_limited("1")),
+    )
+    .await
+    .unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            let store = RedisFleet::from_url(&url)
+                .unwrap()
+                .scope("127.0.0.1", b"test-key");
+            Fleet::builder()
+                .cooldown_gate(Some(gate()))
+                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .redis(patient(store))
+                .build()
+        })
+        .collect();
+    // Connected: each has run the poll.
+    all_connected(&fleets).await;
+    let policy = policy().initial_backoff(Duration::from_millis(20));
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy.clone())).collect();
+    let send = |i: usize| {
+        stacks[i]
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    };
+    // A stated limit (the limit script) on a reserved slot (the reservation).
+    assert_eq!(send(0).await.unwrap().status(), StatusCode::OK);
+    // An overload refused (the refusal script), retried on a grant (the budget's flush).
+    let res = send(0).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.extensions().get::<RetryTrail>().unwrap().retries(), 1);
+    // A 429 with Retry-After through the second fleet closes the gate of the first (the
+    // closing script, and its message).
+    let limited = tokio::spawn(send(1));
+    within(Duration::from_millis(800), || {
+        fleets[0].gate_closed_until().is_some()
+    })
+    .await
+    .expect("the closing reaches the other fleet");
+    assert_eq!(limited.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The stated limit is the fleet's: both read it from the shared schedule.
+    let capped = within(Duration::from_millis(1_500), || {
+        fleets.iter().all(|f| f.pace().is_some_and(|p| p <= 20.0))
+    });
+    assert!(
+        capped.await.is_some(),
+        "{:?}",
+        fleets.iter().map(|f| f.pace()).collect::<Vec<_>>()
+    );
+    assert!(
+        fleets.iter().all(connected),
+        "{:?}",
+        fleets[0].redis_state()
+    );
+    // No script failed but at its first call (answered NOSCRIPT, then loaded): none was
+    // refused for keys in other slots. (Redis 7.0 also counts an error for each connection's
+    // `CLIENT SETINFO`, which it does not know.)
+    let errors = redis.errors();
+    let count = |kind: &str| {
+        errors
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map_or(0, |(_, n)| *n)
+    };
+    assert_eq!(count("CROSSSLOT"), 0, "{errors:?}");
+    let stats = match redis.command(&["INFO", "commandstats"]) {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("{other:?}"),
+    };
+    let field = |cmd: &str, name: &str| -> u64 {
+        stats
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+            .and_then(|l| l.split(&format!("{name}=")).nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    assert!(field("evalsha", "calls") >= 10, "{stats}");
+    let failed = field("evalsha", "failed_calls") + field("evalsha", "rejected_calls");
+    assert_eq!(failed, count("NOSCRIPT"), "{errors:?} {stats}");
+    assert_eq!(
+        field("eval", "failed_calls") + field("eval", "rejected_calls"),
+        0
+    );
+    let keys = match redis.command(&["KEYS", "*"]) {
+        redis::Value::Array(keys) => keys.len(),
+        other => panic!("{other:?}"),
+    };
+    // The gate, the budget, the processes and the schedule.
+    assert_eq!(keys, 4);
+}
