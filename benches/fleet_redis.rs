@@ -212,7 +212,11 @@ enum Mode {
 /// A fleet with the gate and the default budget (and the pacing in `Mode::Pacing`), sharing
 /// `(url, prefix)`'s Redis scope when given.
 fn fleet(mode: Mode, pacing: PacingConfig, redis: Option<(&str, &str)>) -> Fleet {
-    let mut b = Fleet::builder().cooldown_gate(Some(GateConfig::new()));
+    // The modes name what is on: "gate + budget" has no pacing at all (not even the
+    // fleet's default, dormant one), "pacing" the eager pacing of `PacingConfig::new`.
+    let mut b = Fleet::builder()
+        .cooldown_gate(Some(GateConfig::new()))
+        .pacing(None);
     if mode == Mode::Pacing {
         b = b.pacing(Some(pacing));
     }
