@@ -194,6 +194,7 @@ pub mod mcp;
 pub mod overflow;
 mod pipeline;
 mod provider;
+mod random;
 pub mod retry;
 pub mod stream;
 mod time;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tower::retry::budget::{Budget, TpsBudget};
 
 use super::BudgetStats;
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// Settings of the retry budget of a [`Fleet`](crate::fleet::Fleet), shared by every request
 /// sent through it.

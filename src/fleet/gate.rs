@@ -11,9 +11,10 @@ use std::time::{Duration, SystemTime};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
-use super::Fleet;
+use super::{Fleet, Limits};
 use crate::classify::WallClock;
-use crate::retry::{ConfigError, Random, RetryPolicy};
+use crate::error::ConfigError;
+use crate::random::Random;
 
 /// Settings of the cooldown gate of a [`Fleet`](crate::fleet::Fleet), shared by every request
 /// sent through it.
@@ -305,7 +306,7 @@ impl GateWait {
     /// [`PastDeadline`] when it stays closed past `deadline`.
     pub(crate) fn start(
         fleet: &Fleet,
-        policy: &RetryPolicy,
+        limits: Limits<'_>,
         deadline: Option<Instant>,
     ) -> Result<Option<Self>, PastDeadline> {
         let Some(gate) = fleet.gate() else {
@@ -316,9 +317,8 @@ impl GateWait {
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not switch the gate off by overflowing.
-        let cap = now + policy.get_retry_after_max().min(MAX_HOLD);
-        let random = policy.get_random().clone();
-        let Some(until) = gate.wait_for(now, cap, deadline, &random)? else {
+        let cap = now + limits.retry_after_max.min(MAX_HOLD);
+        let Some(until) = gate.wait_for(now, cap, deadline, limits.random)? else {
             return Ok(None);
         };
         tracing::debug!(
@@ -330,7 +330,7 @@ impl GateWait {
             fleet: fleet.clone(),
             cap,
             deadline,
-            random,
+            random: limits.random.clone(),
         }))
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// Settings of the adaptive pacing of a [`Fleet`](crate::fleet::Fleet), shared by every
 /// request sent through it.

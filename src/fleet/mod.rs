@@ -229,7 +229,20 @@ pub use self::redis::{RedisFleet, RedisState};
 use self::budget::SharedBudget;
 use self::gate::Gate;
 use self::limit::Pacer;
-use crate::retry::RetryPolicy;
+use crate::random::Random;
+
+/// What a request's retry policy tells the fleet, so that the fleet does not depend on the
+/// retry module: the longest server wait it honours, whether it ignores a longer one, and the
+/// source of the gate's spread.
+#[derive(Clone, Copy)]
+pub(crate) struct Limits<'a> {
+    /// The policy's `Retry-After` ceiling.
+    pub(crate) retry_after_max: Duration,
+    /// A `Retry-After` above the ceiling is ignored (the policy backs off instead, as the
+    /// official SDKs do), so the fleet does not take it as a wait either.
+    pub(crate) ignores_above_ceiling: bool,
+    pub(crate) random: &'a Random,
+}
 
 /// The fleet state that requests on one key share: the retry budget, the cooldown gate and
 /// the adaptive pacing, built once and handed to every layer (or middleware) whose requests
@@ -611,9 +624,9 @@ impl Fleet {
     }
 
     /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
-    /// turn no longer than `policy`'s Retry-After ceiling, nor past `deadline`. Dropping it
+    /// turn no longer than the policy's Retry-After ceiling, nor past `deadline`. Dropping it
     /// before its turn leaves the line.
-    pub(crate) fn ticket(&self, policy: &RetryPolicy, deadline: Option<Instant>) -> Option<Ticket> {
+    pub(crate) fn ticket(&self, limits: Limits<'_>, deadline: Option<Instant>) -> Option<Ticket> {
         let pacer = self.pacer()?;
         // Dormant, the pacing only counts what goes out, until the server signals a limit.
         if !pacer.is_awake() {
@@ -622,7 +635,7 @@ impl Fleet {
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
-        let ceiling = now + policy.get_retry_after_max().min(MAX_PACING_WAIT);
+        let ceiling = now + limits.retry_after_max.min(MAX_PACING_WAIT);
         let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
         // Across processes, a turn of the fleet's schedule; the local line otherwise.
         #[cfg(feature = "fleet-redis")]
@@ -721,14 +734,12 @@ impl Fleet {
         &self,
         head: &http::response::Parts,
         retry_after: Option<Duration>,
-        policy: &RetryPolicy,
+        limits: Limits<'_>,
     ) {
-        let ceiling = policy.get_retry_after_max();
+        let ceiling = limits.retry_after_max;
         // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
         // do) is not taken as a wait by the fleet either.
-        let honoured = |w: &Duration| {
-            *w <= ceiling || policy.get_above_ceiling() != crate::retry::AboveCeiling::UseBackoff
-        };
+        let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;
         let retry_after = retry_after.filter(honoured);
         // Pacing: a stated request limit caps the rate; it, or a refusal for load, wakes a
         // dormant pacing (a 5xx without it does not).
@@ -1038,6 +1049,14 @@ mod tests {
     use super::*;
     use std::task::Waker;
 
+    fn limits(retry_after_max: Duration, random: &Random) -> Limits<'_> {
+        Limits {
+            retry_after_max,
+            ignores_above_ceiling: false,
+            random,
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_ticket_whose_turn_is_past_its_bound_is_refused_on_joining_and_counted() {
         // One turn a second; a policy that lets an attempt wait 2 s.
@@ -1045,18 +1064,19 @@ mod tests {
             .budget(None)
             .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap()))
             .build();
-        let policy = RetryPolicy::default().retry_after_max(Duration::from_secs(2));
+        let random = Random::default();
+        let policy = limits(Duration::from_secs(2), &random);
         let mut cx = Context::from_waker(Waker::noop());
         let secs = Duration::from_secs;
-        let mut first = fleet.ticket(&policy, None).unwrap();
+        let mut first = fleet.ticket(policy, None).unwrap();
         assert_eq!(first.poll_turn(&mut cx), Poll::Ready(Ok(0)));
         // The head's turn is 1 s off; the next is expected in 2 s, exactly the bound.
-        let mut head = fleet.ticket(&policy, None).unwrap();
+        let mut head = fleet.ticket(policy, None).unwrap();
         assert!(head.poll_turn(&mut cx).is_pending());
-        let mut behind = fleet.ticket(&policy, None).unwrap();
+        let mut behind = fleet.ticket(policy, None).unwrap();
         assert!(behind.poll_turn(&mut cx).is_pending());
         // The one after would wait 3 s.
-        let mut late = fleet.ticket(&policy, None).unwrap();
+        let mut late = fleet.ticket(policy, None).unwrap();
         let refused = PacingRefused {
             expected: Some(secs(3)),
             left: secs(2),
@@ -1070,16 +1090,16 @@ mod tests {
         );
         assert_eq!(fleet.pacing_refused(), Some(1));
         // A deadline nearer than the ceiling bounds the wait instead.
-        let forever = RetryPolicy::default().retry_after_max(Duration::MAX);
+        let forever = limits(Duration::MAX, &random);
         let soon = Instant::now() + Duration::from_millis(2_500);
-        let mut hurried = fleet.ticket(&forever, Some(soon)).unwrap();
+        let mut hurried = fleet.ticket(forever, Some(soon)).unwrap();
         match hurried.poll_turn(&mut cx) {
             Poll::Ready(Err(refused)) => assert!(refused.by_deadline()),
             other => panic!("expected a refusal by the deadline, got {other:?}"),
         }
         assert_eq!(fleet.pacing_refused(), Some(2));
         // A ceiling of "forever" neither overflows nor refuses.
-        let mut patient = fleet.ticket(&forever, None).unwrap();
+        let mut patient = fleet.ticket(forever, None).unwrap();
         assert!(patient.poll_turn(&mut cx).is_pending());
         // Those refused left the line: the others keep their turns, one a second.
         tokio::time::advance(secs(1)).await;

@@ -33,7 +33,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::budget::{BudgetConfig, SharedBudget};
 use super::gate::Gate;
 use super::limit::Pacer;
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// Where a fleet keeps its state across processes: one scope (an upstream and a credential)
 /// in one Redis. Hand it to [`FleetBuilder::redis`](crate::fleet::FleetBuilder::redis).

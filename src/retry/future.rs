@@ -469,7 +469,11 @@ where
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
                             let c = ctx.config.classifier.classify_response(&head, None);
-                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(
+                                &head,
+                                c.retry_after(),
+                                ctx.policy().fleet_limits(),
+                            );
                             ctx.pacing_feedback(&c);
                             this.state.set(State::Done);
                             let body = RetryBody::plain(body, ctx.policy().get_idle_timeout());
@@ -519,7 +523,11 @@ where
                             }
                             // Fleet: a Retry-After or exhausted rate-limit headers may close
                             // the gate.
-                            ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
+                            ctx.fleet().observe(
+                                &head,
+                                c.retry_after(),
+                                ctx.policy().fleet_limits(),
+                            );
                             match ctx.judge(&c, Some(head.status), None, false, &span) {
                                 Verdict::Retry(delay) => {
                                     drop(body);
@@ -658,7 +666,8 @@ where
                     };
                     let c = if keep { kept(c) } else { c };
                     // Fleet: a Retry-After or exhausted rate-limit headers may close the gate.
-                    ctx.fleet().observe(&head, c.retry_after(), ctx.policy());
+                    ctx.fleet()
+                        .observe(&head, c.retry_after(), ctx.policy().fleet_limits());
                     let verdict =
                         ctx.judge(&c, status, error.as_deref().map(|e| e as _), false, &span);
                     match verdict {
@@ -1199,7 +1208,10 @@ where
         if self.paced.is_some() {
             return Ok(None);
         }
-        let Some(ticket) = self.fleet().ticket(self.policy(), self.deadline) else {
+        let Some(ticket) = self
+            .fleet()
+            .ticket(self.policy().fleet_limits(), self.deadline)
+        else {
             return Ok(None);
         };
         tracing::trace!(rate = self.fleet().pacing_rate(), "joining the pacing line");
@@ -1214,7 +1226,7 @@ where
         if self.gate_passed {
             return Ok(None);
         }
-        GateWait::start(self.fleet(), self.policy(), self.deadline)
+        GateWait::start(self.fleet(), self.policy().fleet_limits(), self.deadline)
             .map_err(|PastDeadline| Stop::Deadline)
     }
 

@@ -218,10 +218,12 @@ pub(crate) use self::future::HttpResponse;
 #[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
 pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
-pub use self::policy::{
-    AboveCeiling, ConfigError, Jitter, Random, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES,
-};
+pub use self::policy::{AboveCeiling, Jitter, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES};
+// Shared with the fleet, which does not depend on this module: re-exported where users have
+// always found them.
 pub use self::service::Retry;
+pub use crate::error::ConfigError;
+pub use crate::random::Random;
 
 use crate::classify::FailureClass;
 use crate::error::RetryTrail;

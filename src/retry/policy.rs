@@ -1,11 +1,9 @@
 //! How many times to retry and how long to wait.
 
-use std::fmt;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
+use crate::error::ConfigError;
+use crate::random::Random;
 
 /// The default time to a response head, and between body frames: 600 s, as the official SDKs.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -73,28 +71,6 @@ enum JitterMode {
     Symmetric,
 }
 
-/// A configuration value was out of range.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    message: String,
-}
-
-impl ConfigError {
-    pub(crate) fn new(message: impl Into<String>) -> Self {
-        ConfigError {
-            message: message.into(),
-        }
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
 impl Jitter {
     /// No jitter: every sleep is exactly the computed backoff.
     pub const fn none() -> Self {
@@ -140,66 +116,6 @@ impl Jitter {
             JitterMode::Subtract => 1.0 - u * self.fraction,
             JitterMode::Symmetric => 1.0 + (2.0 * u - 1.0) * self.fraction,
         }
-    }
-}
-
-/// The source of the uniform samples behind jitter.
-///
-/// Defaults to the thread-local generator; tests give a seeded one, or a fixed value, to assert
-/// exact sleeps.
-#[derive(Clone)]
-pub struct Random {
-    source: Option<Arc<dyn Fn() -> f64 + Send + Sync>>,
-}
-
-impl Random {
-    /// The thread-local generator of the `rand` crate.
-    pub fn thread_rng() -> Self {
-        Random { source: None }
-    }
-
-    /// A deterministic generator seeded with `seed`, shared by every clone of this value.
-    pub fn seeded(seed: u64) -> Self {
-        let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(seed)));
-        Random::from_fn(move || {
-            let mut rng = rng.lock().unwrap_or_else(|e| e.into_inner());
-            rng.random::<f64>()
-        })
-    }
-
-    /// Samples from `f`, which must return values in `[0, 1)`; others are clamped into it.
-    pub fn from_fn(f: impl Fn() -> f64 + Send + Sync + 'static) -> Self {
-        Random {
-            source: Some(Arc::new(f)),
-        }
-    }
-
-    pub(crate) fn sample(&self) -> f64 {
-        let u = match &self.source {
-            Some(f) => f(),
-            None => rand::rng().random::<f64>(),
-        };
-        if u.is_nan() {
-            0.0
-        } else {
-            u.clamp(0.0, 1.0)
-        }
-    }
-}
-
-impl Default for Random {
-    fn default() -> Self {
-        Self::thread_rng()
-    }
-}
-
-impl fmt::Debug for Random {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.source.is_some() {
-            "Random(custom)"
-        } else {
-            "Random(thread_rng)"
-        })
     }
 }
 
@@ -487,6 +403,15 @@ impl RetryPolicy {
     /// Where jitter samples come from (also the cooldown gate's spread).
     pub fn get_random(&self) -> &Random {
         &self.random
+    }
+
+    /// What the fleet is told of this policy.
+    pub(crate) fn fleet_limits(&self) -> crate::fleet::Limits<'_> {
+        crate::fleet::Limits {
+            retry_after_max: self.retry_after_max,
+            ignores_above_ceiling: self.above_ceiling == AboveCeiling::UseBackoff,
+            random: &self.random,
+        }
     }
 
     /// The limit of consecutive overloads, if any.
