@@ -281,7 +281,32 @@ struct FleetState {
 struct Scopes {
     template: FleetBuilder,
     hasher: foldhash::fast::RandomState,
-    map: std::sync::RwLock<std::collections::HashMap<u64, Fleet>>,
+    map: std::sync::RwLock<ScopeMap>,
+}
+
+/// The scopes by the foldhash of their upstream and credential: the key is a hash already (of
+/// a seeded hasher), so the map does not hash it again.
+type ScopeMap = std::collections::HashMap<u64, Fleet, std::hash::BuildHasherDefault<KeyIsHash>>;
+
+/// The hasher of a key that is already a hash: it keeps it.
+#[derive(Default)]
+struct KeyIsHash(u64);
+
+impl std::hash::Hasher for KeyIsHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys are hashed; anything else is folded in, never dropped.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 /// What names a scope: its upstream, and a hash of the credential (never the credential).
@@ -392,7 +417,7 @@ impl FleetBuilder {
                 ..self.clone()
             },
             hasher: foldhash::fast::RandomState::default(),
-            map: std::sync::RwLock::new(std::collections::HashMap::new()),
+            map: std::sync::RwLock::new(ScopeMap::default()),
         });
         #[allow(unused_mut)]
         let mut root = self;
@@ -836,13 +861,13 @@ fn retry_after_is_a_date(h: &http::HeaderMap) -> bool {
 }
 
 impl Scopes {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, std::collections::HashMap<u64, Fleet>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, ScopeMap> {
         self.map
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, std::collections::HashMap<u64, Fleet>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, ScopeMap> {
         self.map
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
