@@ -187,24 +187,27 @@ impl PacingConfig {
     /// Whether the pacing sleeps until the server first signals a rate limit.
     ///
     /// Dormant, it limits nothing: attempts leave as they come, and the pacing only counts
-    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes on the first
-    /// rate-limit signal of the server: a `429` or `529` answer, or a response stating its
-    /// request limit. A `5xx` without it (a random `503`) does not wake it, nor, once
-    /// awake, slow it.
+    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes on the
+    /// server's first refusal for load: a `429` or `529` answer. A `5xx` without it (a
+    /// random `503`) does not wake it, nor, once awake, slow it.
     ///
     /// - Woken by a `429` / `529`, it starts from the rate it measured over the last second
     ///   (attempts counted since the newest timestamp at least a second old, over the time
     ///   since; over a whole second when the fleet is younger than that), treated as the
     ///   rate at the end of slow start: the refusal halves it, though not below `initial`
     ///   (a fleet that sent a few attempts has measured nothing of what the server takes),
-    ///   a long `Retry-After` is read as a quota of every attempt sent since the first, and
-    ///   the rate goes on from there as after any first refusal (`growth` per success,
-    ///   `decrease` per refusal).
-    /// - Woken by a stated limit, it starts at the limit's cap (`limit / period`).
+    ///   a long `Retry-After` is read as a quota of the attempts sent over the last minute
+    ///   (or since the first, when the fleet is younger), and the rate goes on from there
+    ///   as after any first refusal (`growth` per success, `decrease` per refusal).
+    /// - A stated request limit does not wake it (the providers state it on every answer):
+    ///   it caps the rate it wakes at, and every rate after.
     ///
     /// So a client that never meets a limit is never slowed, and one that does is paced
     /// from what it was actually sending rather than from [`initial`](PacingConfig::rates).
-    /// Across processes (the `fleet-redis` feature), each process wakes on its own answers.
+    /// Across processes (the `fleet-redis` feature), each process wakes on its own answers;
+    /// once awake, it takes its turns from the fleet's shared schedule, whose rate is learnt
+    /// in Redis (on a fresh scope from `initial`, in slow start), not from what this process
+    /// measured.
     /// The fleet's default pacing is `PacingConfig::new().dormant(true)` with a
     /// [burst](PacingConfig::burst) of 1 s. Defaults to false: the pacing paces from the
     /// first attempt, at `initial`.
@@ -826,6 +829,10 @@ struct Samples {
     /// `(instant, attempts before it)`, oldest first: the newest at least [`RATE_WINDOW`]
     /// old, and those after it.
     ring: VecDeque<(Instant, u64)>,
+    /// The same, at least a second apart, over the last [`QUOTA_WINDOW`]: what a quota's
+    /// `Retry-After` is read against, so a process that has run for hours is not read as
+    /// having spent its quota over all of them.
+    coarse: VecDeque<(Instant, u64)>,
 }
 
 /// Dormant pacing: it counts, then wakes on the server's first rate-limit signal.
@@ -871,6 +878,31 @@ impl Pacer {
         if ring.len() > MAX_SAMPLES {
             ring.pop_front();
         }
+        let coarse = &mut samples.coarse;
+        if coarse
+            .back()
+            .is_none_or(|&(t, _)| now.saturating_duration_since(t) >= RATE_WINDOW)
+        {
+            coarse.push_back((now, before));
+        }
+        while coarse.front().is_some_and(|&(t, _)| t + QUOTA_WINDOW < now) {
+            coarse.pop_front();
+        }
+    }
+
+    /// The attempts counted over the last [`QUOTA_WINDOW`] (or since the first, when the
+    /// fleet is younger), and since when.
+    fn quota_counts(&self) -> (u64, Option<Instant>) {
+        let total = self.dormant_sends.load(Ordering::Relaxed);
+        let samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        let young = samples
+            .first
+            .zip(samples.coarse.front())
+            .is_some_and(|(first, &(oldest, _))| first >= oldest);
+        match samples.coarse.front() {
+            Some(&(at, before)) if !young => (total.saturating_sub(before), Some(at)),
+            _ => (total, samples.first),
+        }
     }
 
     /// The rate attempts went out at over the last second, as of `now`: those counted since
@@ -895,9 +927,10 @@ impl Pacer {
 
     /// Takes what the dormant pacing counted into the state it wakes with: the quota
     /// reading of a long `Retry-After` counts every attempt since the first.
-    fn wake_counts(&self, s: &mut State, first: Option<Instant>) {
-        s.sent = self.dormant_sends.load(Ordering::Relaxed);
-        s.since = first.or(s.since);
+    fn wake_counts(&self, s: &mut State) {
+        let (sent, since) = self.quota_counts();
+        s.sent = sent;
+        s.since = since.or(s.since);
     }
 
     /// A dormant pacing wakes on a refusal for load (`429`, `529`) with the server's
@@ -924,39 +957,12 @@ impl Pacer {
             s.slow_start = true;
             // The turns start from now: no credit of turns not taken while it slept.
             s.next_time = Some(Instant::now());
-            self.wake_counts(&mut s, measured.map(|(_, first)| first));
+            self.wake_counts(&mut s);
             self.awake.store(true, Ordering::Release);
             s.epoch
         };
         self.on_refusal(epoch, retry_after);
         tracing::debug!(rate = self.rate(), "pacing woken by a refusal for load");
-    }
-
-    /// A dormant pacing wakes on a stated request limit (already taken in by
-    /// [`on_limit`](Pacer::on_limit)): at its cap. No-op once awake, or with no limit in
-    /// force.
-    pub(crate) fn wake_on_limit(&self) {
-        if self.is_awake() {
-            return;
-        }
-        let mut s = self.lock();
-        let Some(cap) = s.stated else {
-            return;
-        };
-        if self.is_awake() {
-            return;
-        }
-        s.rate = cap.min(self.config.max);
-        s.next_time = Some(Instant::now());
-        let first = self
-            .samples
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .first;
-        self.wake_counts(&mut s, first);
-        self.awake.store(true, Ordering::Release);
-        drop(s);
-        tracing::debug!(rate = cap, "pacing woken by a stated request limit");
     }
 }
 
@@ -966,6 +972,9 @@ const SAMPLE_EVERY: u64 = 16;
 const SAMPLE_SPACING: Duration = Duration::from_millis(50);
 /// The window a dormant pacing measures the rate it wakes at over.
 const RATE_WINDOW: Duration = Duration::from_secs(1);
+/// The window a quota's `Retry-After` is read against, when it wakes a dormant pacing: the
+/// minute most stated limits count over.
+const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 /// The most timestamps kept (at one per [`SAMPLE_SPACING`], a window holds about 20).
 const MAX_SAMPLES: usize = 64;
 
@@ -1541,6 +1550,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_long_lived_fleet_reads_a_quota_from_its_last_minute_not_its_lifetime() {
+        // An hour at 5/s (18,000), then 12 s at 500/s (6,000), then a 429 with 48 s to the
+        // reset: read against the last minute (48 s at 5/s and the 6,000), not the hour.
+        let p = dormant_after(18_000, Duration::from_millis(200)).await;
+        for _ in 0..6_000 {
+            p.dormant_send();
+            tokio::time::advance(Duration::from_millis(2)).await;
+        }
+        p.wake_on_refusal(Some(Duration::from_secs(48)));
+        // (6,000 + 240) over the 60 s counted and the 48 s to wait: about 58/s; over the
+        // whole life it would be about 6/s.
+        let rate = p.rate();
+        assert!((50.0..70.0).contains(&rate), "{rate}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_young_or_slow_dormant_fleet_wakes_no_lower_than_initial() {
         // 3 attempts, then a 429: three in a second is no measure of the server.
         let p = dormant_after(3, Duration::from_millis(10)).await;
@@ -1552,17 +1577,20 @@ mod tests {
         assert_eq!(p.rate(), 50.0);
     }
 
-    #[test]
-    fn a_stated_limit_wakes_a_dormant_pacing_at_its_cap_and_a_pacing_not_dormant_is_awake() {
-        let p = Pacer::new(PacingConfig::new().dormant(true));
-        assert!(!p.is_awake());
-        // No limit in force: nothing to wake on.
-        p.wake_on_limit();
-        assert!(!p.is_awake());
+    #[tokio::test(start_paused = true)]
+    async fn a_stated_limit_caps_a_dormant_pacing_without_waking_it() {
+        // 200 attempts a second, while every answer states 600 a minute (10/s).
+        let p = dormant_after(200, Duration::from_millis(5)).await;
         p.on_limit(600);
-        p.wake_on_limit();
+        assert!(
+            !p.is_awake(),
+            "a client within its stated limit is not slowed"
+        );
+        // Woken by a refusal, it starts from the cap, not from what it measured (200/s),
+        // halved as every wake is.
+        p.wake_on_refusal(None);
         assert!(p.is_awake());
-        assert_eq!(p.rate(), 10.0);
+        assert_eq!(p.rate(), 5.0);
         assert!(Pacer::new(PacingConfig::new()).is_awake());
         assert!(PacingConfig::new().burst(Duration::from_secs(61)).is_err());
     }

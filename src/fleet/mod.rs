@@ -77,14 +77,14 @@
 //! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] (every `Retry-After` closes it), or `None` to turn it off |
 //! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s in the fleet's default gate; zero in [`GateConfig::new`]: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`](crate::retry::Random) | [`GateConfig::spread`] |
-//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429`, `529` or stated request limit (a `5xx` without it neither wakes nor slows it); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s; woken by a stated limit, at its cap | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
+//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
 //! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
 //! | pacing: burst | 1 s in the fleet's default (after a quiet spell, up to `rate × 1 s` attempts leave at once); zero in [`PacingConfig::new`] | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
 //! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
-//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (those beyond share the fleet's own state); off for a fleet given a Redis store, whose store names the scope | [`FleetBuilder::per_scope`] |
+//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds; with all in use, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope | [`FleetBuilder::per_scope`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -385,17 +385,19 @@ impl FleetBuilder {
     /// upstreams without one key's `429` holding the others. A credential set by an inner
     /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
     /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
-    /// beyond 4,096 scopes), whose state stays in the process; [`Fleet::scopes`] and
+    /// past the bound with every scope in use), whose state stays in the process; [`Fleet::scopes`] and
     /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
     /// [`RedisFleet::scope`] applies to every scope.
     ///
     /// On a request's path the scope costs a hash of the authority and the credential
     /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
     /// lookup under a read lock; only the first request of a scope allocates. The map holds
-    /// at most 4,096 scopes, and is never emptied while the fleet lives: requests of further
-    /// scopes share the fleet's own state (one budget, gate and pace for all of them, as
-    /// with `per_scope(false)`), so a flood of distinct credentials costs a bounded amount
-    /// of memory (about 4,096 small states) and, past the bound, one lookup that misses.
+    /// at most 4,096 scopes. A new scope past the bound takes the place of one that no
+    /// request holds at that moment (what it learnt is forgotten), so credentials that
+    /// rotate do not fill it for good; when all are in use, its requests share the fleet's
+    /// own state (one budget, gate and pace for all of them, as with `per_scope(false)`).
+    /// A flood of distinct credentials costs a bounded amount of memory (about 4,096 small
+    /// states).
     /// Defaults to true, but for a fleet given a Redis store ([`FleetBuilder::redis`]),
     /// whose store names its scope already (call `per_scope(true)` to key its state by
     /// request as well); false keeps one state for every request.
@@ -595,7 +597,9 @@ impl Fleet {
     /// per scope, `None` when the fleet's own.
     pub(crate) fn for_request(&self, uri: &http::Uri, headers: &http::HeaderMap) -> Option<Fleet> {
         let scopes = self.inner.scopes.as_ref()?;
+        // Without any `user:password@`: the upstream is shown in read-outs and logs.
         let upstream = uri.authority()?.as_str();
+        let upstream = upstream.rsplit_once('@').map_or(upstream, |(_, host)| host);
         let credential = CREDENTIAL_HEADERS
             .iter()
             .find_map(|h| headers.get(h))
@@ -612,7 +616,15 @@ impl Fleet {
             return Some(f.clone());
         }
         if map.len() >= MAX_SCOPES {
-            return None;
+            // Full: a scope no request holds makes room (its state is what a new scope would
+            // start from anyway, less what it learnt), so rotating credentials (hourly bearer
+            // tokens) do not fill the map for good. With every scope in use, the request
+            // shares the fleet's own state.
+            let idle = map
+                .iter()
+                .find(|(_, f)| Arc::strong_count(&f.inner) == 1)
+                .map(|(k, _)| *k)?;
+            map.remove(&idle);
         }
         let id = scope_id(upstream, credential);
         #[allow(unused_mut)]
@@ -766,8 +778,9 @@ impl Fleet {
         // do) is not taken as a wait by the fleet either.
         let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;
         let retry_after = retry_after.filter(honoured);
-        // Pacing: a stated request limit caps the rate; it, or a refusal for load, wakes a
-        // dormant pacing (a 5xx without it does not).
+        // Pacing: a refusal for load wakes a dormant pacing (a 5xx without it does not); a
+        // stated request limit caps the rate, and does not wake it: the providers state their
+        // limit on every answer, and a client within it is not to be slowed.
         if let Some(pacer) = self.pacer() {
             if !pacer.is_awake() {
                 let status = head.status;
@@ -779,7 +792,6 @@ impl Fleet {
             }
             if let Some(limit) = crate::provider::ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
-                pacer.wake_on_limit();
                 #[cfg(feature = "fleet-redis")]
                 if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
                 {

@@ -472,6 +472,9 @@ struct Shared {
     /// A closing seen here, not yet sent: the deadline and the announced wait.
     close: Mutex<Option<(Instant, Duration)>>,
     close_pending: AtomicBool,
+    /// A background task ended (the fleet was dropped, or the runtime it was started on shut
+    /// down): nothing will answer Redis's part again, so the fleet keeps to its local state.
+    stopped: AtomicBool,
     wake: Notify,
     cancel: CancellationToken,
 }
@@ -517,6 +520,7 @@ impl Link {
             divided: Mutex::new(None),
             close: Mutex::new(None),
             close_pending: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             wake: Notify::new(),
             cancel: cancel.clone(),
         });
@@ -646,7 +650,10 @@ impl Link {
         self.ensure_started();
         let s = &self.shared;
         s.pacer.as_ref()?;
-        if s.mode.load(Ordering::Acquire) != CONNECTED || s.conn.get().is_none() {
+        if s.mode.load(Ordering::Acquire) != CONNECTED
+            || s.conn.get().is_none()
+            || s.stopped.load(Ordering::Acquire)
+        {
             return None;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -798,6 +805,10 @@ impl Shared {
     }
 
     fn set_mode(&self, mode: u8) {
+        // A fleet whose background task is gone does not come back in touch.
+        if mode == CONNECTED && self.stopped.load(Ordering::Acquire) {
+            return;
+        }
         let was = self.mode.swap(mode, Ordering::AcqRel);
         if was == mode {
             return;
@@ -853,6 +864,7 @@ const MAX_BATCH: usize = 128;
 /// The reservations of one fleet: while one script is in flight, the attempts that come
 /// queue in the process's line, and the next script reserves slots for all of them.
 async fn reserve_slots(shared: Arc<Shared>) {
+    let _stopped = Stopped(shared.clone());
     let Some(config) = shared.pacer.as_ref().map(|p| p.config()) else {
         return;
     };
@@ -1019,7 +1031,36 @@ struct Task {
     last_flush: Instant,
 }
 
+/// Held by each background task: when one ends, however it ends (the fleet dropped, its
+/// runtime shut down, a panic), the fleet keeps to its local state and every attempt waiting
+/// for a slot is sent to the local line (its sender dropped), so none waits for an answer
+/// that will not come.
+struct Stopped(Arc<Shared>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let s = &self.0;
+        if s.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if s.cancel.is_cancelled() {
+            // The fleet was dropped: nobody to tell.
+            s.mode.store(LOCAL, Ordering::Release);
+        } else {
+            s.set_mode(LOCAL);
+        }
+        let waiting: Vec<Waiter> = s
+            .line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+            .collect();
+        drop(waiting);
+    }
+}
+
 async fn run(shared: Arc<Shared>, source: Source) {
+    let _stopped = Stopped(shared.clone());
     let (client, conn) = match source {
         Source::Client(c, cell) => (Some((c, cell)), None),
         Source::Manager(m) => (None, Some(m)),

@@ -1884,25 +1884,51 @@ async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own
     let server = MockServer::start(Script::new()).await.unwrap();
     let fleet = Fleet::default();
     let url = server.url("/v1/messages");
-    for k in 0..4_096 {
-        let scope = fleet.scope_for(&with_key(&url, &format!("sk-ant-key-{k}")));
-        assert!(!scope.ptr_eq(&fleet));
-    }
+    // Every scope held (as by requests in flight).
+    let held: Vec<Fleet> = (0..4_096)
+        .map(|k| fleet.scope_for(&with_key(&url, &format!("sk-ant-key-{k}"))))
+        .collect();
+    assert!(held.iter().all(|s| !s.ptr_eq(&fleet)));
     assert_eq!(fleet.scopes().len(), 4_096);
     // A known scope is still its own; a new one gets the fleet's own state, and the map
     // stays as it is.
     let known = fleet.scope_for(&with_key(&url, "sk-ant-key-7"));
-    assert!(known.ptr_eq(&fleet.scope_for(&with_key(&url, "sk-ant-key-7"))));
+    assert!(known.ptr_eq(&held[7]));
     assert!(fleet
         .scope_for(&with_key(&url, "sk-ant-key-new"))
         .ptr_eq(&fleet));
     assert_eq!(fleet.scopes().len(), 4_096);
     // A request past the bound goes out, counted in the fleet's own budget.
     let svc = RetryLayer::new().fleet(fleet.clone()).layer(http_client());
-    let res = svc.oneshot(with_key(&url, "sk-ant-key-new")).await.unwrap();
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-new"))
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(fleet.budget_stats().unwrap().first_attempts, 1);
     assert_eq!(fleet.scopes().len(), 4_096);
+    // Once a scope is no longer held, a new credential takes its place (rotating tokens do
+    // not fill the map for good): its own state, and the map no larger.
+    drop(known);
+    let freed: Vec<Fleet> = held
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, s)| (i != 9).then_some(s))
+        .collect();
+    let rotated = fleet.scope_for(&with_key(&url, "sk-ant-key-rotated"));
+    assert!(!rotated.ptr_eq(&fleet));
+    assert!(freed.iter().all(|s| !s.ptr_eq(&rotated)));
+    assert_eq!(fleet.scopes().len(), 4_096);
+    // The freed scope (key 9) is the one that went: asked again, it is a fresh state.
+    drop(rotated);
+    let nine = fleet.scope_for(&with_key(&url, "sk-ant-key-9"));
+    assert!(freed.iter().all(|s| !s.ptr_eq(&nine)));
+    let res = svc
+        .oneshot(with_key(&url, "sk-ant-key-rotated"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
 }
 
 #[tokio::test(start_paused = true)]

@@ -1031,3 +1031,60 @@ async fn every_script_runs_on_a_single_node_cluster_without_crossslot_and_coordi
     // The gate, the budget, the processes and the schedule.
     assert_eq!(keys, 4);
 }
+
+/// A fleet started on one runtime that has since shut down (a fleet in a `static`, built in a
+/// set-up `block_on`): its background tasks are gone with it, so it keeps to its local state,
+/// and a paced attempt takes the local line instead of waiting for a slot nobody reserves.
+#[test]
+fn a_fleet_whose_runtime_shut_down_paces_locally_and_hangs_nothing() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(patient(store(&redis)))
+        .build();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    first.block_on(async {
+        let server = MockServer::start(Script::always(Reply::success()))
+            .await
+            .unwrap();
+        let res = stack(&fleet, policy())
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        all_connected(std::slice::from_ref(&fleet)).await;
+    });
+    drop(first);
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let server = MockServer::start(Script::always(Reply::success()))
+            .await
+            .unwrap();
+        let svc = stack(&fleet, policy());
+        for _ in 0..3 {
+            let res = tokio::time::timeout(
+                Duration::from_secs(5),
+                svc.clone()
+                    .oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+            )
+            .await
+            .expect("a paced attempt waited for a slot nobody reserves")
+            .unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+        }
+        assert_eq!(server.request_count(), 3);
+        assert!(
+            matches!(fleet.redis_state(), Some(RedisState::Local { .. })),
+            "{:?}",
+            fleet.redis_state()
+        );
+    });
+}
