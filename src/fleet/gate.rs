@@ -21,7 +21,7 @@ use crate::random::Random;
 ///
 /// A `429` or `529` carrying a `Retry-After`, or a response whose rate-limit headers say no
 /// request is left until a reset, closes the gate until that instant (at most the reporting
-/// request's [`retry_after_max`](RetryPolicy::retry_after_max) away). While it is closed,
+/// request's [`retry_after_max`](crate::RetryPolicy::retry_after_max) away). While it is closed,
 /// every attempt about to be sent waits: until the gate reopens, plus a random extra in
 /// `[0, spread]`, where `spread` is [`spread_fraction`](GateConfig::spread) of the wait the
 /// server announced, at most [`max_spread`](GateConfig::spread). So a fleet does not come back
