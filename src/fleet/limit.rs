@@ -188,8 +188,9 @@ impl PacingConfig {
     ///
     /// Dormant, it limits nothing: attempts leave as they come, and the pacing only counts
     /// them (one atomic add per attempt, and a timestamp every 16th). It wakes on the
-    /// server's first refusal for load: a `429` or `529` answer. A `5xx` without it (a
-    /// random `503`) does not wake it, nor, once awake, slow it.
+    /// server's first refusal for load (a `429` or `529` answer), or when the server says
+    /// its request window is nearly spent. A `5xx` without it (a random `503`) does not
+    /// wake it, nor, once awake, slow it.
     ///
     /// - Woken by a `429` / `529`, it starts from the rate it measured over the last second
     ///   (attempts counted since the newest timestamp at least a second old, over the time
@@ -199,8 +200,9 @@ impl PacingConfig {
     ///   a long `Retry-After` is read as a quota of the attempts sent over the last minute
     ///   (or since the first, when the fleet is younger), and the rate goes on from there
     ///   as after any first refusal (`growth` per success, `decrease` per refusal).
-    /// - A stated request limit does not wake it (the providers state it on every answer):
-    ///   it caps the rate it wakes at, and every rate after.
+    /// - A stated request limit alone does not wake it (the providers state it on every
+    ///   answer): it caps the rate it wakes at, and every rate after. A response saying at
+    ///   most a tenth of the limit is left wakes it at the limit's cap (`limit / period`).
     ///
     /// So a client that never meets a limit is never slowed, and one that does is paced
     /// from what it was actually sending rather than from [`initial`](PacingConfig::rates).
@@ -966,6 +968,31 @@ impl Pacer {
     }
 }
 
+impl Pacer {
+    /// A dormant pacing wakes at the stated limit's cap (already taken in by
+    /// [`on_limit`](Pacer::on_limit)), when the window is nearly spent. No-op once awake, or
+    /// with no limit in force.
+    pub(crate) fn wake_on_limit(&self) {
+        if self.is_awake() {
+            return;
+        }
+        let mut s = self.lock();
+        let Some(cap) = s.stated else {
+            return;
+        };
+        if self.is_awake() {
+            return;
+        }
+        s.rate = cap.min(self.config.max);
+        s.slow_start = false;
+        s.next_time = Some(Instant::now());
+        self.wake_counts(&mut s);
+        self.awake.store(true, Ordering::Release);
+        drop(s);
+        tracing::debug!(rate = cap, "pacing woken by a nearly spent request limit");
+    }
+}
+
 /// A dormant pacing timestamps its count of attempts every this many.
 const SAMPLE_EVERY: u64 = 16;
 /// ... and no more often than this.
@@ -1593,5 +1620,17 @@ mod tests {
         assert_eq!(p.rate(), 5.0);
         assert!(Pacer::new(PacingConfig::new()).is_awake());
         assert!(PacingConfig::new().burst(Duration::from_secs(61)).is_err());
+    }
+
+    #[test]
+    fn a_nearly_spent_limit_wakes_a_dormant_pacing_at_its_cap() {
+        let p = Pacer::new(PacingConfig::new().dormant(true));
+        // No limit in force: nothing to wake at.
+        p.wake_on_limit();
+        assert!(!p.is_awake());
+        p.on_limit(600);
+        p.wake_on_limit();
+        assert!(p.is_awake());
+        assert_eq!(p.rate(), 10.0);
     }
 }

@@ -77,7 +77,7 @@
 //! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] (every `Retry-After` closes it), or `None` to turn it off |
 //! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s in the fleet's default gate; zero in [`GateConfig::new`]: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`] | [`GateConfig::spread`] |
-//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
+//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit; a response saying at most a tenth of the stated limit is left wakes it at the limit | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
 //! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
 //! | pacing: burst | 1 s in the fleet's default (after a quiet spell, up to `rate × 1 s` attempts leave at once); zero in [`PacingConfig::new`] | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
@@ -315,6 +315,10 @@ struct ScopeName {
     upstream: String,
     id: String,
 }
+
+/// A dormant pacing wakes when a response says at most `1 / LOW_REMAINING` of the stated
+/// request limit is left.
+const LOW_REMAINING: u64 = 10;
 
 /// The most scopes a fleet keeps apart; requests of scopes beyond share the fleet's own state.
 const MAX_SCOPES: usize = 4096;
@@ -779,8 +783,9 @@ impl Fleet {
         let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;
         let retry_after = retry_after.filter(honoured);
         // Pacing: a refusal for load wakes a dormant pacing (a 5xx without it does not); a
-        // stated request limit caps the rate, and does not wake it: the providers state their
-        // limit on every answer, and a client within it is not to be slowed.
+        // stated request limit caps the rate. The limit alone does not wake it (the providers
+        // state theirs on every answer, and a client well within it is not to be slowed), but
+        // a window nearly spent does: at most a tenth of the limit left.
         if let Some(pacer) = self.pacer() {
             if !pacer.is_awake() {
                 let status = head.status;
@@ -792,6 +797,12 @@ impl Fleet {
             }
             if let Some(limit) = crate::provider::ratelimit::requests_limit(&head.headers) {
                 pacer.on_limit(limit);
+                if !pacer.is_awake()
+                    && crate::provider::ratelimit::requests_remaining(&head.headers)
+                        .is_some_and(|left| left.saturating_mul(LOW_REMAINING) <= limit)
+                {
+                    pacer.wake_on_limit();
+                }
                 #[cfg(feature = "fleet-redis")]
                 if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
                 {

@@ -76,6 +76,17 @@ pub(crate) fn requests_limit(headers: &HeaderMap) -> Option<u64> {
         .filter(|&n| n > 0)
 }
 
+/// The requests a response says are left in the window, Anthropic's header first, then
+/// OpenAI's. `None` when neither is present and well formed.
+pub(crate) fn requests_remaining(headers: &HeaderMap) -> Option<u64> {
+    [
+        &ANTHROPIC_REQUESTS_REMAINING_NAME,
+        &OPENAI_REQUESTS_REMAINING_NAME,
+    ]
+    .into_iter()
+    .find_map(|name| header(headers, name).and_then(parse_count))
+}
+
 fn header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
     headers
         .get(name)?

@@ -1754,6 +1754,67 @@ async fn the_default_pacing_delays_nothing_before_a_rate_limit_signal() {
     assert_eq!(scope.pacing_refused(), Some(0));
 }
 
+/// The providers state their request limit on every answer: a client well within it is not
+/// paced; one told its window is nearly spent (a tenth or less left) is, at the limit.
+#[tokio::test(start_paused = true)]
+async fn a_stated_limit_paces_the_default_fleet_only_once_its_window_is_nearly_spent() {
+    let stated = |left: &str| {
+        Reply::success()
+            .header("anthropic-ratelimit-requests-limit", "600")
+            .header("anthropic-ratelimit-requests-remaining", left)
+    };
+    let mut script = Script::new();
+    for _ in 0..10 {
+        script = script.then(stated("500"));
+    }
+    script = script.then(stated("60"));
+    for _ in 0..5 {
+        script = script.then(stated("55"));
+    }
+    let server = MockServer::start(script).await.unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let send_all = |n: usize| {
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..n {
+            tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+        }
+        tasks
+    };
+    let origin = Instant::now();
+    // Ten at once, each told 500 of 600 are left: none waits.
+    let mut tasks = send_all(10);
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    assert!(arrivals(&server, origin).iter().all(|d| d.is_zero()));
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    assert_eq!(scope.pace(), None);
+    // The eleventh is told 60 are left (a tenth): the pacing wakes at 600 a minute.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-a"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(scope.pace(), Some(10.0));
+    // Five at once now leave 100 ms apart.
+    let woken = Instant::now();
+    let mut tasks = send_all(5);
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    let after: Vec<Duration> = arrivals(&server, woken).into_iter().skip(11).collect();
+    assert_eq!(after.len(), 5);
+    for pair in after.windows(2) {
+        assert!(pair[1] - pair[0] >= Duration::from_millis(99), "{after:?}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
     // 400 successes, then one 429 without Retry-After (the gate stays open), then successes.
