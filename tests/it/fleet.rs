@@ -1487,13 +1487,6 @@ fn a_fleet_built_with_the_gate_and_pacing_off_has_only_the_budget() {
 // ---------------------------------------------------------------------------------------------
 // A fleet kept per scope (upstream + credential).
 
-fn keyed(uri: &str, key: &'static str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    let mut req = anthropic_request(uri, BODY);
-    req.headers_mut()
-        .insert("x-api-key", http::HeaderValue::from_static(key));
-    req
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("8")))
@@ -1512,28 +1505,31 @@ async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
         .layer(http_client());
     let url = server.url("/v1/messages");
     let notified = planned.0.notified();
-    let first = tokio::spawn(svc.clone().oneshot(keyed(&url, "sk-ant-key-a")));
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
     notified.await;
     let origin = server.requests()[0].received_at;
 
     // Key b on the same upstream, and key a on another upstream: not held.
     let res = svc
         .clone()
-        .oneshot(keyed(&url, "sk-ant-key-b"))
+        .oneshot(with_key(&url, "sk-ant-key-b"))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     let res = svc
         .clone()
-        .oneshot(keyed(&other_upstream.url("/v1/messages"), "sk-ant-key-a"))
+        .oneshot(with_key(
+            &other_upstream.url("/v1/messages"),
+            "sk-ant-key-a",
+        ))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert!(Instant::now() - origin < Duration::from_millis(1));
 
     // The read-outs, per scope.
-    let a = fleet.scope_for(&keyed(&url, "sk-ant-key-a"));
-    let b = fleet.scope_for(&keyed(&url, "sk-ant-key-b"));
+    let a = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let b = fleet.scope_for(&with_key(&url, "sk-ant-key-b"));
     assert_eq!(a.gate_closed_until(), Some(origin + Duration::from_secs(8)));
     assert_eq!(b.gate_closed_until(), None);
     assert_eq!(fleet.gate_closed_until(), None);
@@ -1548,7 +1544,7 @@ async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
     // Key a on the first upstream waits for its own gate, to the millisecond.
     let res = svc
         .clone()
-        .oneshot(keyed(&url, "sk-ant-key-a"))
+        .oneshot(with_key(&url, "sk-ant-key-a"))
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
@@ -1578,16 +1574,18 @@ async fn a_fleet_not_kept_per_scope_holds_every_key() {
         .layer(http_client());
     let url = server.url("/v1/messages");
     let notified = planned.0.notified();
-    let first = tokio::spawn(svc.clone().oneshot(keyed(&url, "sk-ant-key-a")));
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
     notified.await;
     let origin = server.requests()[0].received_at;
     svc.clone()
-        .oneshot(keyed(&url, "sk-ant-key-b"))
+        .oneshot(with_key(&url, "sk-ant-key-b"))
         .await
         .unwrap();
     assert_eq!(Instant::now() - origin, Duration::from_secs(8));
     assert!(fleet.scopes().is_empty());
-    assert!(fleet.scope_for(&keyed(&url, "sk-ant-key-b")).ptr_eq(&fleet));
+    assert!(fleet
+        .scope_for(&with_key(&url, "sk-ant-key-b"))
+        .ptr_eq(&fleet));
     first.await.unwrap().unwrap();
 }
 
