@@ -74,14 +74,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .then(Reply::status(503))
             .then(Reply::reset())
             .then(Reply::success())
-            // Request 2: the server asks for a two-minute wait; not worth holding the caller.
-            .then(Reply::rate_limited("120"))
-            // Request 3: the account is out of credit; no wait will fix that.
+            // Request 2: the account is out of credit; no wait will fix that.
             .then(Reply::openai_error(
                 429,
                 "insufficient_quota",
                 "You exceeded your current quota",
-            )),
+            ))
+            // Request 3: the server asks for a two-minute wait; not worth holding the caller.
+            // (The fleet's cooldown gate, on by default, would now hold the other requests
+            // of this key for up to the policy's 60 s ceiling, instead of letting them
+            // hammer a server that said to wait.)
+            .then(Reply::rate_limited("120")),
     )
     .await?;
 
