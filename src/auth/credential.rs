@@ -148,7 +148,20 @@ impl Credential {
 
     /// Puts the credential on a request, replacing any value the header had.
     pub(crate) fn apply(&self, headers: &mut HeaderMap) {
-        headers.insert(self.header.clone(), self.value.clone());
+        match headers.entry(&self.header) {
+            // Already there, alone and as sensitive: the usual case of a caller that sets the
+            // key the layer holds, on every request. Nothing to replace.
+            http::header::Entry::Occupied(entry)
+                if entry.iter().count() == 1
+                    && entry.get() == self.value
+                    && entry.get().is_sensitive() == self.value.is_sensitive() => {}
+            http::header::Entry::Occupied(mut entry) => {
+                entry.insert(self.value.clone());
+            }
+            http::header::Entry::Vacant(entry) => {
+                entry.insert(self.value.clone());
+            }
+        }
     }
 }
 

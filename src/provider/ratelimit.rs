@@ -10,7 +10,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// Anthropic's count of requests left in the current window.
 pub(crate) const ANTHROPIC_REQUESTS_REMAINING: &str = "anthropic-ratelimit-requests-remaining";
@@ -28,16 +28,13 @@ pub(crate) const OPENAI_REQUESTS_LIMIT: &str = "x-ratelimit-limit-requests";
 
 // The names as `HeaderName`s, so that a lookup on every response hashes them without parsing
 // them first.
-pub(crate) static ANTHROPIC_REQUESTS_REMAINING_NAME: HeaderName =
+static ANTHROPIC_REQUESTS_REMAINING_NAME: HeaderName =
     HeaderName::from_static(ANTHROPIC_REQUESTS_REMAINING);
 static ANTHROPIC_REQUESTS_RESET_NAME: HeaderName =
     HeaderName::from_static(ANTHROPIC_REQUESTS_RESET);
-pub(crate) static OPENAI_REQUESTS_REMAINING_NAME: HeaderName =
+static OPENAI_REQUESTS_REMAINING_NAME: HeaderName =
     HeaderName::from_static(OPENAI_REQUESTS_REMAINING);
 static OPENAI_REQUESTS_RESET_NAME: HeaderName = HeaderName::from_static(OPENAI_REQUESTS_RESET);
-static ANTHROPIC_REQUESTS_LIMIT_NAME: HeaderName =
-    HeaderName::from_static(ANTHROPIC_REQUESTS_LIMIT);
-static OPENAI_REQUESTS_LIMIT_NAME: HeaderName = HeaderName::from_static(OPENAI_REQUESTS_LIMIT);
 
 /// The longest header value the parsers look at; longer values count as absent.
 pub(crate) const MAX_VALUE_LEN: usize = 64;
@@ -67,24 +64,59 @@ pub(crate) fn requests_exhausted_for(headers: &HeaderMap, now: SystemTime) -> Op
     anthropic().or_else(openai).filter(|d| !d.is_zero())
 }
 
-/// The request limit a response states, Anthropic's header first, then OpenAI's. `None` when
-/// neither is present and well formed, or the limit is zero.
-pub(crate) fn requests_limit(headers: &HeaderMap) -> Option<u64> {
-    [&ANTHROPIC_REQUESTS_LIMIT_NAME, &OPENAI_REQUESTS_LIMIT_NAME]
-        .into_iter()
-        .find_map(|name| header(headers, name).and_then(parse_count))
-        .filter(|&n| n > 0)
+/// The request limit and the requests left that a response states, found in one pass over
+/// its headers: on every response, that is cheaper than looking up each of the four names
+/// (each lookup hashes a name of 26 to 38 bytes, present or not).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct RequestCounts<'a> {
+    anthropic_limit: Option<&'a HeaderValue>,
+    openai_limit: Option<&'a HeaderValue>,
+    anthropic_remaining: Option<&'a HeaderValue>,
+    openai_remaining: Option<&'a HeaderValue>,
 }
 
-/// The requests a response says are left in the window, Anthropic's header first, then
-/// OpenAI's. `None` when neither is present and well formed.
-pub(crate) fn requests_remaining(headers: &HeaderMap) -> Option<u64> {
-    [
-        &ANTHROPIC_REQUESTS_REMAINING_NAME,
-        &OPENAI_REQUESTS_REMAINING_NAME,
-    ]
-    .into_iter()
-    .find_map(|name| header(headers, name).and_then(parse_count))
+impl<'a> RequestCounts<'a> {
+    pub(crate) fn read(headers: &'a HeaderMap) -> Self {
+        let mut counts = RequestCounts::default();
+        for (name, value) in headers {
+            let slot = match name.as_str() {
+                ANTHROPIC_REQUESTS_LIMIT => &mut counts.anthropic_limit,
+                OPENAI_REQUESTS_LIMIT => &mut counts.openai_limit,
+                ANTHROPIC_REQUESTS_REMAINING => &mut counts.anthropic_remaining,
+                OPENAI_REQUESTS_REMAINING => &mut counts.openai_remaining,
+                _ => continue,
+            };
+            // The first value, as `HeaderMap::get` would give.
+            slot.get_or_insert(value);
+        }
+        counts
+    }
+
+    /// The request limit, Anthropic's header first, then OpenAI's. `None` when neither is
+    /// present and well formed, or the limit is zero.
+    pub(crate) fn limit(&self) -> Option<u64> {
+        [self.anthropic_limit, self.openai_limit]
+            .into_iter()
+            .find_map(|v| v.and_then(value_str).and_then(parse_count))
+            .filter(|&n| n > 0)
+    }
+
+    /// The requests left in the window, Anthropic's header first, then OpenAI's. `None` when
+    /// neither is present and well formed.
+    pub(crate) fn remaining(&self) -> Option<u64> {
+        [self.anthropic_remaining, self.openai_remaining]
+            .into_iter()
+            .find_map(|v| v.and_then(value_str).and_then(parse_count))
+    }
+
+    /// Whether either provider's remaining-count header is present, well formed or not.
+    pub(crate) fn states_remaining(&self) -> bool {
+        self.anthropic_remaining.is_some() || self.openai_remaining.is_some()
+    }
+}
+
+fn value_str(value: &HeaderValue) -> Option<&str> {
+    value.to_str().ok().filter(|v| v.len() <= MAX_VALUE_LEN)
 }
 
 fn header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
@@ -289,9 +321,9 @@ mod tests {
             "anthropic-ratelimit-requests-limit",
             "4000".parse().unwrap(),
         );
-        assert_eq!(requests_limit(&headers), Some(4000));
+        assert_eq!(RequestCounts::read(&headers).limit(), Some(4000));
         headers.insert("anthropic-ratelimit-requests-limit", "-1".parse().unwrap());
-        assert_eq!(requests_limit(&headers), None);
+        assert_eq!(RequestCounts::read(&headers).limit(), None);
     }
     use http::HeaderValue;
 
@@ -541,19 +573,56 @@ mod tests {
         for (name, value, want) in cases {
             let mut h = HeaderMap::new();
             h.insert(*name, HeaderValue::from_str(value).unwrap());
-            assert_eq!(requests_limit(&h), *want, "{name}: {value:?}");
+            assert_eq!(RequestCounts::read(&h).limit(), *want, "{name}: {value:?}");
         }
         // Anthropic's is read first; a malformed one falls back to OpenAI's.
         let mut h = HeaderMap::new();
         h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("50"));
         h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_static("60"));
-        assert_eq!(requests_limit(&h), Some(50));
+        assert_eq!(RequestCounts::read(&h).limit(), Some(50));
         h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("fifty"));
-        assert_eq!(requests_limit(&h), Some(60));
+        assert_eq!(RequestCounts::read(&h).limit(), Some(60));
         // Too long to read.
         let mut h = HeaderMap::new();
         let long = "1".repeat(MAX_VALUE_LEN + 1);
         h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_str(&long).unwrap());
-        assert_eq!(requests_limit(&h), None);
+        assert_eq!(RequestCounts::read(&h).limit(), None);
+    }
+
+    /// The one pass reads what a lookup of each name would: the first value of a repeated
+    /// header, Anthropic's before OpenAI's, whatever their order in the map.
+    #[test]
+    fn counts_in_one_pass_match_lookups() {
+        let mut h = HeaderMap::new();
+        h.insert("content-type", HeaderValue::from_static("application/json"));
+        h.append(OPENAI_REQUESTS_REMAINING, HeaderValue::from_static("7"));
+        h.append(ANTHROPIC_REQUESTS_REMAINING, HeaderValue::from_static("3"));
+        h.append(ANTHROPIC_REQUESTS_REMAINING, HeaderValue::from_static("9"));
+        h.append(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("50"));
+        let counts = RequestCounts::read(&h);
+        assert_eq!(counts.remaining(), Some(3));
+        assert_eq!(counts.limit(), Some(50));
+        assert!(counts.states_remaining());
+        // A malformed Anthropic count falls back to OpenAI's, and still counts as stated.
+        h.insert(
+            ANTHROPIC_REQUESTS_REMAINING,
+            HeaderValue::from_static("n/a"),
+        );
+        let counts = RequestCounts::read(&h);
+        assert_eq!(counts.remaining(), Some(7));
+        let mut h = HeaderMap::new();
+        h.insert(
+            ANTHROPIC_REQUESTS_REMAINING,
+            HeaderValue::from_static("n/a"),
+        );
+        let counts = RequestCounts::read(&h);
+        assert_eq!(
+            (counts.remaining(), counts.states_remaining()),
+            (None, true)
+        );
+        let empty = HeaderMap::new();
+        let counts = RequestCounts::read(&empty);
+        assert_eq!((counts.limit(), counts.remaining()), (None, None));
+        assert!(!counts.states_remaining());
     }
 }

@@ -489,7 +489,8 @@ where
                             span.record("http.response.status_code", head.status.as_u16());
                             ctx.served_level = crate::pipeline::served_level(&head);
                             let asks = head.extensions.remove::<Asks>();
-                            if let Some(mode) = ctx.peek_mode(&head, asks.as_ref()) {
+                            let sse = is_event_stream(&head);
+                            if let Some(mode) = ctx.peek_mode(&head, sse, asks.as_ref()) {
                                 this.state.set(State::Peeking {
                                     peek: Box::new(PeekState {
                                         head: Some(head),
@@ -545,7 +546,7 @@ where
                                     // With the gate off, a stream is still followed to its end.
                                     if ctx.config.stream_end_check
                                         && head.status.is_success()
-                                        && is_event_stream(&head)
+                                        && sse
                                     {
                                         body = body.follow_stream(Box::new(StreamScan::new()));
                                     }
@@ -981,14 +982,20 @@ where
     }
 
     /// Whether, and how, the start of this response's body must be read before deciding.
-    fn peek_mode(&self, head: &http::response::Parts, asks: Option<&Asks>) -> Option<PeekMode> {
+    /// `sse`: whether the response is an event stream.
+    fn peek_mode(
+        &self,
+        head: &http::response::Parts,
+        sse: bool,
+        asks: Option<&Asks>,
+    ) -> Option<PeekMode> {
         if self.config.classifier.wants_body(head) || asks.is_some_and(|a| a.wants_body(head)) {
             return Some(PeekMode::ErrorBody);
         }
         if !head.status.is_success() {
             return None;
         }
-        if is_event_stream(head) {
+        if sse {
             return self
                 .config
                 .sse_gate
