@@ -343,13 +343,18 @@ impl Headers {
         // One pass; the guess at the size is generous for the usual few short headers.
         let mut bytes = Vec::with_capacity(64 + 48 * map.len());
         for (name, value) in map {
-            let (name, value) = (name.as_str().as_bytes(), value);
+            let name = name.as_str().as_bytes();
+            let (Ok(name_len), Ok(value_len)) =
+                (u32::try_from(name.len()), u32::try_from(value.len()))
+            else {
+                return Headers::Map(map.clone());
+            };
             if !is_value(value.as_bytes()) {
                 return Headers::Map(map.clone());
             }
             bytes.push(u8::from(value.is_sensitive()));
-            bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
-            bytes.extend_from_slice(&(value.len() as u32).to_le_bytes());
+            bytes.extend_from_slice(&name_len.to_le_bytes());
+            bytes.extend_from_slice(&value_len.to_le_bytes());
             bytes.extend_from_slice(name);
             bytes.extend_from_slice(value.as_bytes());
         }
@@ -675,6 +680,60 @@ mod tests {
             assert_eq!(pairs(&again.headers), pairs(&parts.headers));
             assert!(again.headers["x-api-key"].is_sensitive());
         }
+    }
+
+    /// Lengths above one and two bytes survive the packing, and the map kept as it is (for a
+    /// value made unchecked) rebuilds the same map.
+    #[test]
+    fn kept_head_takes_long_headers_and_keeps_a_map_as_it_is() {
+        let long_name = format!("x-{}", "n".repeat(300));
+        let long_value = "v".repeat(70_000);
+        let (mut parts, ()) = http::Request::builder()
+            .header(long_name.as_str(), long_value.as_str())
+            .header("x-short", "s")
+            .body(())
+            .unwrap()
+            .into_parts();
+        parts.headers.append("x-short", "t".parse().unwrap());
+        let kept = KeptHead::of(&parts);
+        assert!(matches!(kept.headers, Headers::Packed { .. }));
+        let again = kept.parts().headers;
+        assert_eq!(again[long_name.as_str()].as_bytes(), long_value.as_bytes());
+        let shorts: Vec<_> = again.get_all("x-short").iter().collect();
+        assert_eq!(shorts, ["s", "t"]);
+        assert_eq!(again.len(), 3);
+        let map = Headers::Map(parts.headers.clone());
+        assert_eq!(map.map(), parts.headers);
+    }
+
+    /// Sends from a `Held`: the caller's head first, then the rebuilt one as long as a copy is
+    /// kept; `can_resend` says whether one is.
+    #[test]
+    fn held_sends_the_original_then_the_kept_head() {
+        let (parts, ()) = http::Request::post("https://api.example.com/v1/messages")
+            .header("x-api-key", "k")
+            .header("content-length", "99")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let mut held = Held::new(parts);
+        assert!(!held.can_resend(), "no body yet");
+        held.set_body(ReplayBody::new(Bytes::from_static(b"hello")));
+        assert!(held.can_resend());
+        for _ in 0..3 {
+            let req = held.send(true);
+            assert_eq!(req.headers()["x-api-key"], "k");
+            // The declared length is the body's, on every send.
+            assert_eq!(req.headers()["content-length"], "5");
+            assert_eq!(req.body().as_bytes().map(|b| &b[..]), Some(&b"hello"[..]));
+            assert!(held.can_resend());
+        }
+        let last = held.send(false);
+        assert_eq!(last.uri(), "https://api.example.com/v1/messages");
+        assert!(
+            !held.can_resend(),
+            "nothing kept after a send that keeps nothing"
+        );
     }
 
     /// The word-at-a-time check agrees with `HeaderValue::from_bytes` for every byte, at every

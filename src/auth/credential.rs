@@ -149,8 +149,9 @@ impl Credential {
     /// Puts the credential on a request, replacing any value the header had.
     pub(crate) fn apply(&self, headers: &mut HeaderMap) {
         match headers.entry(&self.header) {
-            // Already there, alone and as sensitive: the usual case of a caller that sets the
-            // key the layer holds, on every request. Nothing to replace.
+            // Already there, alone and marked sensitive as this one is (a re-send of a
+            // request this layer already signed, say): nothing to replace. A caller's own
+            // value is replaced even when equal, so that it is marked sensitive.
             http::header::Entry::Occupied(entry)
                 if entry.iter().count() == 1
                     && entry.get() == self.value
@@ -309,6 +310,30 @@ impl<T: TokenSource + ?Sized> TokenSource for Arc<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `apply` leaves the request with exactly the credential, sensitive: a caller's equal but
+    /// plain value is replaced, repeats collapse to one, another value is replaced, and an
+    /// already applied one stays as it is.
+    #[test]
+    fn apply_leaves_exactly_the_credential() {
+        let c = Credential::new(&CredentialHeader::x_api_key(), "sk-ant-k").unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "sk-ant-k".parse().unwrap());
+        c.apply(&mut h);
+        assert!(h["x-api-key"].is_sensitive());
+        h.append("x-api-key", "sk-ant-k".parse().unwrap());
+        c.apply(&mut h);
+        assert_eq!(h.get_all("x-api-key").iter().count(), 1);
+        h.insert("x-api-key", "sk-ant-other".parse().unwrap());
+        c.apply(&mut h);
+        assert_eq!(h["x-api-key"], "sk-ant-k");
+        c.apply(&mut h);
+        assert_eq!(h.get_all("x-api-key").iter().count(), 1);
+        assert!(h["x-api-key"].is_sensitive());
+        let mut empty = HeaderMap::new();
+        c.apply(&mut empty);
+        assert_eq!(empty["x-api-key"], "sk-ant-k");
+    }
 
     #[test]
     fn values_are_sensitive_and_never_printed() {

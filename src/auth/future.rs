@@ -14,15 +14,15 @@ use super::{AuthOutcome, Credential, CredentialFuture, TokenSource};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
 use crate::classify::headers::parse_retry_after;
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::pipeline::body::{IdleTimer, PeekHead};
 use crate::pipeline::{Asks, Carried, Inside, Judge, Judged};
+use crate::pipeline::{HttpResponse, RetryBody};
 use crate::provider::error_body::{body_signal, BodySignal, ErrorBody};
-use crate::retry::body::{IdleTimer, PeekHead};
-use crate::retry::{HttpResponse, RetryBody};
 
 /// A bound on re-sends after rate limits, for sources that keep saying another key is free.
 const MAX_ROTATIONS: u32 = 16;
 
-use crate::retry::ResBodyOf;
+use crate::pipeline::ResBodyOf;
 
 /// Request extension: the credential source of the fallback target this request goes to,
 /// used by [`AuthLayer`](super::AuthLayer) instead of its own.

@@ -5,7 +5,7 @@ use tower_layer::Layer;
 
 use super::{Auth, TokenSource};
 use crate::body::DEFAULT_BODY_LIMIT;
-use crate::retry::DEFAULT_PEEK_LIMIT;
+use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`Auth`] to a service: puts a credential on every request, refreshes it once on
 /// `401`, and moves to another key of a pool on a rate limit. See the

@@ -10,8 +10,8 @@ use tokio::time::Instant;
 
 use super::credential::{capped_add, MAX_REST};
 use super::{Credential, CredentialFuture, CredentialHeader, TokenSource};
+use crate::error::ConfigError;
 use crate::error::{BoxError, Error, ErrorKind};
-use crate::retry::ConfigError;
 
 /// Token lifetimes beyond this count as this. A year is far enough ahead for any token, and far
 /// inside the clock's range, which an `expires_in` from a server need not be.

@@ -9,7 +9,7 @@ use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
 use crate::error::BoxError;
-use crate::retry::RetryBody;
+use crate::pipeline::RetryBody;
 
 /// Middleware that puts a credential on every request, refreshes it once on `401`, and moves
 /// to another key of a pool on a rate limit.

@@ -6,7 +6,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::error::{BoxError, Error};
-use crate::retry::RetryBody;
+use crate::pipeline::RetryBody;
 
 pin_project! {
     /// The response body of [`Continuation`](super::Continuation): the inner service's body

@@ -15,8 +15,8 @@ use super::stitch::{self, Round};
 use super::{ContinuationBody, Continued, TruncatedToolCall};
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::error::BoxError;
-use crate::retry::body::{IdleTimer, Peeked};
-use crate::retry::{HttpResponse, ResBodyOf, RetryBody};
+use crate::pipeline::body::{IdleTimer, Peeked};
+use crate::pipeline::{HttpResponse, ResBodyOf, RetryBody};
 use crate::stream::OutputTruncated;
 
 pin_project! {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// The settings of the circuit [`ModelFallbackLayer::circuit`](super::ModelFallbackLayer::circuit)
 /// gives every target of its chain.

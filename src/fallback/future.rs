@@ -22,12 +22,12 @@ use crate::classify::{is_overloaded, overloaded_by, FailureClass};
 use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
+use crate::pipeline::body::{IdleTimer, PeekHead};
 use crate::pipeline::{Asks, Carried, Failed, Inside, Judge, Judged};
+use crate::pipeline::{AttemptContext, HttpResponse, RetryBody};
 use crate::provider::error_body::{BodySignal, ErrorBody};
-use crate::retry::body::{IdleTimer, PeekHead};
-use crate::retry::{AttemptContext, HttpResponse, RetryBody};
 
-use crate::retry::ResBodyOf;
+use crate::pipeline::ResBodyOf;
 
 pin_project! {
     /// The response future of [`ModelFallback`](super::ModelFallback).

@@ -11,8 +11,9 @@ use super::circuit::{Circuit, CircuitState, TargetCircuit};
 use super::{FallbackMode, ModelFallback, Target};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::FailureClass;
+use crate::error::ConfigError;
 use crate::pipeline::Failed;
-use crate::retry::{ConfigError, DEFAULT_PEEK_LIMIT};
+use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`ModelFallback`] to a service: after a number of consecutive overloads, the next
 /// attempt goes to the next model of a chain. See the [module docs](crate::fallback).

@@ -9,7 +9,7 @@ use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
 use crate::error::BoxError;
-use crate::retry::RetryBody;
+use crate::pipeline::RetryBody;
 
 /// Middleware that moves a request to the next model of a chain once the current one has
 /// been overloaded several times in a row.

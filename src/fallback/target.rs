@@ -7,7 +7,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::Uri;
 
 use crate::auth::TokenSource;
-use crate::retry::ConfigError;
+use crate::error::ConfigError;
 
 /// One target of a fallback chain: a model, and optionally another upstream (another region,
 /// a second gateway, a cloud provider's endpoint of the same API shape) with a credential

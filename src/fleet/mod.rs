@@ -611,11 +611,19 @@ impl Fleet {
     /// per scope, `None` when the fleet's own.
     pub(crate) fn for_request(&self, uri: &http::Uri, headers: &http::HeaderMap) -> Option<Fleet> {
         let scopes = self.inner.scopes.as_ref()?;
+        // Without any `user:password@`: the upstream is shown in read-outs and logs, and names
+        // the scope in Redis, so the key leaves it out too.
         let authority = uri.authority()?.as_str();
+        let upstream = match authority.as_bytes().contains(&b'@') {
+            true => authority
+                .rsplit_once('@')
+                .map_or(authority, |(_, host)| host),
+            false => authority,
+        };
         let credential = credential(headers);
         let key = {
             use std::hash::BuildHasher;
-            scopes.hasher.hash_one((authority, credential))
+            scopes.hasher.hash_one((upstream, credential))
         };
         if let Some(f) = scopes.read().get(&key) {
             return Some(f.clone());
@@ -635,11 +643,6 @@ impl Fleet {
                 .map(|(k, _)| *k)?;
             map.remove(&idle);
         }
-        // Without any `user:password@`: the upstream is shown in read-outs and logs. (The key
-        // above keeps it: userinfo is a credential too.)
-        let upstream = authority
-            .rsplit_once('@')
-            .map_or(authority, |(_, host)| host);
         let id = scope_id(upstream, credential);
         #[allow(unused_mut)]
         let mut template = scopes.template.clone();
@@ -792,7 +795,15 @@ impl Fleet {
         // do) is not taken as a wait by the fleet either.
         let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;
         let retry_after = retry_after.filter(honoured);
-        let counts = crate::provider::ratelimit::RequestCounts::read(&head.headers);
+        // Read only for what uses them: the pacing, and a gate that reads rate-limit headers.
+        let counts = match self.pacer().is_some()
+            || self
+                .gate()
+                .is_some_and(|g| g.config.reads_rate_limit_headers())
+        {
+            true => crate::provider::ratelimit::RequestCounts::read(&head.headers),
+            false => crate::provider::ratelimit::RequestCounts::default(),
+        };
         // Pacing: a refusal for load wakes a dormant pacing (a 5xx without it does not); a
         // stated request limit caps the rate. The limit alone does not wake it (the providers
         // state theirs on every answer, and a client well within it is not to be slowed), but
@@ -1122,6 +1133,38 @@ mod tests {
         assert_eq!(credential(&h), b"first");
         h.insert("authorization", "Bearer t".parse().unwrap());
         assert_eq!(credential(&h), b"Bearer t");
+        // The rank decides, not the order in the map.
+        let mut h = http::HeaderMap::new();
+        h.insert("authorization", "Bearer first".parse().unwrap());
+        h.insert("x-api-key", "k".parse().unwrap());
+        h.insert("x-goog-api-key", "g".parse().unwrap());
+        assert_eq!(credential(&h), b"Bearer first");
+        h.remove("authorization");
+        assert_eq!(credential(&h), b"k");
+    }
+
+    /// A scope is the upstream without its userinfo plus the credential: the same key through
+    /// `user:password@` shares one scope, named without it; another key gets its own.
+    #[test]
+    fn scopes_leave_userinfo_out() {
+        let fleet = Fleet::builder().build();
+        let req = |uri: &str, key: &str| {
+            http::Request::get(uri)
+                .header("x-api-key", key)
+                .body(())
+                .unwrap()
+        };
+        let plain = fleet.scope_for(&req("https://api.example.com/v1/messages", "k1"));
+        let alice = fleet.scope_for(&req("https://alice:pw@api.example.com/v1/messages", "k1"));
+        let bob = fleet.scope_for(&req("https://bob:pw@api.example.com/v1/messages", "k1"));
+        let other = fleet.scope_for(&req("https://alice:pw@api.example.com/v1/messages", "k2"));
+        assert!(Arc::ptr_eq(&plain.inner, &alice.inner));
+        assert!(Arc::ptr_eq(&plain.inner, &bob.inner));
+        assert!(!Arc::ptr_eq(&plain.inner, &other.inner));
+        assert_eq!(alice.scope_upstream(), Some("api.example.com"));
+        assert_eq!(other.scope_upstream(), Some("api.example.com"));
+        assert_ne!(plain.scope_id(), other.scope_id());
+        assert_eq!(fleet.scopes().len(), 2);
     }
 
     fn limits(retry_after_max: Duration, random: &Random) -> Limits<'_> {

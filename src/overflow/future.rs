@@ -15,12 +15,12 @@ use super::{ContextWindowExceeded, OverflowRepaired};
 use crate::body::{as_replay_body, Held, PrepareBody, ReplayBody};
 use crate::error::BoxError;
 use crate::json_edit;
+use crate::pipeline::body::{IdleTimer, PeekHead};
 use crate::pipeline::{Asks, Carried, Inside, Judge, Judged};
+use crate::pipeline::{HttpResponse, RetryBody};
 use crate::provider::error_body::{context_overflow, ErrorBody, Overflow};
-use crate::retry::body::{IdleTimer, PeekHead};
-use crate::retry::{HttpResponse, RetryBody};
 
-use crate::retry::ResBodyOf;
+use crate::pipeline::ResBodyOf;
 
 pin_project! {
     /// The response future of [`ContextOverflow`](super::ContextOverflow).

@@ -5,7 +5,7 @@ use tower_layer::Layer;
 
 use super::ContextOverflow;
 use crate::body::DEFAULT_BODY_LIMIT;
-use crate::retry::DEFAULT_PEEK_LIMIT;
+use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`ContextOverflow`] to a service: a request whose `max_tokens` does not fit
 /// the context window is re-sent once with a smaller one. See the

@@ -89,30 +89,9 @@ mod service;
 pub use self::future::ResponseFuture;
 pub use self::layer::ContextOverflowLayer;
 pub use self::service::ContextOverflow;
+pub use crate::pipeline::OverflowRepaired;
 
 use crate::provider::error_body::{context_overflow, Overflow};
-
-/// Response extension: what [`ContextOverflowLayer`] changed before the re-send that produced
-/// this response.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OverflowRepaired {
-    /// `max_tokens` was lowered to fit the context window.
-    MaxTokens {
-        /// The value the caller sent.
-        from: u64,
-        /// The value re-sent.
-        to: u64,
-    },
-    /// The request was re-sent to the
-    /// [context-window fallback](ContextOverflowLayer::context_window_fallback) model.
-    Model {
-        /// The model the caller asked for.
-        from: String,
-        /// The model re-sent to.
-        to: String,
-    },
-}
 
 /// Response extension: this response says the request does not fit the model's context
 /// window, and the layer could not repair it. The caller has to shorten the prompt.

@@ -9,7 +9,7 @@ use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
 use crate::error::BoxError;
-use crate::retry::RetryBody;
+use crate::pipeline::RetryBody;
 
 /// Middleware that re-sends, once and at once, a request whose `max_tokens` does not fit the
 /// context window, with a smaller `max_tokens`.

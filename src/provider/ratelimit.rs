@@ -620,6 +620,18 @@ mod tests {
             (counts.remaining(), counts.states_remaining()),
             (None, true)
         );
+        // Anthropic's first whatever the order in the map.
+        let mut h = HeaderMap::new();
+        h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("50"));
+        h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_static("60"));
+        h.insert(ANTHROPIC_REQUESTS_REMAINING, HeaderValue::from_static("3"));
+        h.insert(OPENAI_REQUESTS_REMAINING, HeaderValue::from_static("7"));
+        let counts = RequestCounts::read(&h);
+        assert_eq!((counts.limit(), counts.remaining()), (Some(50), Some(3)));
+        let mut h = HeaderMap::new();
+        h.insert(OPENAI_REQUESTS_LIMIT, HeaderValue::from_static("60"));
+        h.insert(ANTHROPIC_REQUESTS_LIMIT, HeaderValue::from_static("50"));
+        assert_eq!(RequestCounts::read(&h).limit(), Some(50));
         let empty = HeaderMap::new();
         let counts = RequestCounts::read(&empty);
         assert_eq!((counts.limit(), counts.remaining()), (None, None));

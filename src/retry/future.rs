@@ -12,10 +12,9 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_service::Service;
 use tracing::Span;
 
-use super::body::{IdleTimer, Peeked, Read, RetryBody};
 use super::layer::Config;
 use super::policy::DelayRefused;
-use super::{AttemptContext, NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
+use super::{NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::{Classification, Classify, FailureClass, SseVerdict};
 use crate::error::{
@@ -23,32 +22,10 @@ use crate::error::{
     TimeoutKind,
 };
 use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
-use crate::pipeline::{Asks, Carried, Failed, Judged};
+use crate::pipeline::body::{IdleTimer, Peeked, Read, RetryBody};
+use crate::pipeline::{Asks, AttemptContext, Carried, Failed, HttpResponse, Judged, ResBodyOf};
 use crate::provider::error_body::ErrorBody;
 use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
-
-pub(crate) use self::sealed::HttpResponse;
-
-mod sealed {
-    /// Splits an `http::Response` so the retry loop can name its body type.
-    pub trait HttpResponse {
-        /// The body type.
-        type Body;
-        /// `http::Response::into_parts`.
-        fn into_parts(self) -> (http::response::Parts, Self::Body);
-    }
-
-    impl<B> HttpResponse for http::Response<B> {
-        type Body = B;
-        fn into_parts(self) -> (http::response::Parts, B) {
-            http::Response::into_parts(self)
-        }
-    }
-}
-
-/// The response body type of an inner service, named through [`HttpResponse`].
-pub(crate) type ResBodyOf<S> =
-    <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
@@ -487,7 +464,7 @@ where
                         Ok(res) => {
                             let (mut head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
-                            ctx.served_level = crate::pipeline::served_level(&head);
+                            ctx.served_level = served_level(&head);
                             let asks = head.extensions.remove::<Asks>();
                             let sse = is_event_stream(&head);
                             if let Some(mode) = ctx.peek_mode(&head, sse, asks.as_ref()) {
@@ -1479,6 +1456,13 @@ fn kept(c: Classification) -> Classification {
 /// The top-level `"model"` of a JSON request body, for the tracing span.
 fn request_model(body: &[u8]) -> Option<String> {
     crate::json_edit::read_value(body, "model")
+}
+
+/// How far down its fallback chain ModelFallbackLayer sent the attempt this response answers.
+fn served_level(head: &http::response::Parts) -> Option<u32> {
+    head.extensions
+        .get::<crate::fallback::ModelUsed>()
+        .map(|used| used.level)
 }
 
 #[cfg(test)]

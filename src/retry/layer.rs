@@ -9,9 +9,7 @@ use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
 use crate::fleet::Fleet;
-
-/// The default bound on how much of an error body is read to classify it.
-pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
+use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`Retry`] to a service: buffers each request body once and retries failed
 /// attempts of LLM API calls. See the [module docs](crate::retry).

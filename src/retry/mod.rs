@@ -199,7 +199,6 @@
 //! one request, and a [`RetryPolicy`] in the request extensions replaces the layer's policy for
 //! that request.
 
-pub(crate) mod body;
 mod future;
 mod layer;
 mod policy;
@@ -209,15 +208,13 @@ use std::time::Duration;
 
 use http::StatusCode;
 
-pub use self::body::RetryBody;
-pub(crate) use self::future::ResBodyOf;
 pub use self::future::ResponseFuture;
+pub use crate::pipeline::{AttemptContext, RetryBody, DEFAULT_PEEK_LIMIT};
 // Sealed: it appears in the bounds of the response futures, but cannot be named or implemented
 // outside the crate.
-pub(crate) use self::future::HttpResponse;
 #[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
-pub use self::layer::{RetryLayer, DEFAULT_PEEK_LIMIT};
+pub use self::layer::RetryLayer;
 pub use self::policy::{AboveCeiling, Jitter, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES};
 // Shared with the fleet, which does not depend on this module: re-exported where users have
 // always found them.
@@ -227,27 +224,6 @@ pub use crate::random::Random;
 
 use crate::classify::FailureClass;
 use crate::error::RetryTrail;
-
-/// Request extension set on every attempt, for the layers inside [`RetryLayer`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct AttemptContext {
-    /// This attempt's number: 1 for the first, 2 for the first retry, and so on (see
-    /// [Attempt numbers](crate::retry#attempt-numbers)).
-    pub attempt: u32,
-    /// How the previous attempt failed, if there was one.
-    pub previous: Option<FailureClass>,
-    /// How many attempts in a row, just before this one, were overloaded.
-    pub consecutive_overloads: u32,
-    /// The most retries the policy allows this request.
-    pub max_retries: u32,
-    /// The loop carries state for the companion layers in a `Carried` extension too.
-    pub(crate) carries: bool,
-    /// The longest `Retry-After` the policy waits for.
-    pub(crate) retry_after_max: Duration,
-    /// This attempt's head timeout, as the loop arms it (cut to the deadline).
-    pub(crate) head_timeout: Option<Duration>,
-}
 
 /// Request extension: send this request once, never retry it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -22,6 +22,10 @@
 //! a layer learns about failures it never saw a response for (a transport error, a head
 //! timeout, an idle stall after a `200`) and can decide from them at the next attempt.
 //!
+//! The machinery the loop and the companions share lives here too, so that none of them
+//! depends on another: the response body every layer returns ([`RetryBody`], with the bounded
+//! peek and the idle timer), the [`AttemptContext`] extension, the peek limit.
+//!
 //! The loop also ends a request at once, before any classifier runs, when an inner layer
 //! fails with one of this crate's final errors ([`Error::is_final`]): a credential that could
 //! not be had, a signal to switch models. A custom [`Classify`](crate::Classify) cannot retry
@@ -29,12 +33,89 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
+use http::Request;
+use tower_service::Service;
+
+use crate::body::ReplayBody;
 use crate::classify::FailureClass;
 use crate::error::Error;
-use crate::overflow::OverflowRepaired;
 use crate::provider::error_body::ErrorBody;
-use crate::retry::AttemptContext;
+
+pub(crate) mod body;
+
+pub use self::body::RetryBody;
+pub(crate) use self::sealed::HttpResponse;
+
+/// The default bound on how much of an error body is read to classify it.
+pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
+
+// Defined here, as part of what the loop carries from one send to the next (`Carried`), and
+// re-exported from `overflow`.
+/// Response extension: what [`ContextOverflowLayer`](crate::ContextOverflowLayer) changed
+/// before the re-send that produced this response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OverflowRepaired {
+    /// `max_tokens` was lowered to fit the context window.
+    MaxTokens {
+        /// The value the caller sent.
+        from: u64,
+        /// The value re-sent.
+        to: u64,
+    },
+    /// The request was re-sent to the
+    /// [context-window fallback](crate::ContextOverflowLayer::context_window_fallback) model.
+    Model {
+        /// The model the caller asked for.
+        from: String,
+        /// The model re-sent to.
+        to: String,
+    },
+}
+
+/// Request extension set on every attempt, for the layers inside [`RetryLayer`](crate::RetryLayer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AttemptContext {
+    /// This attempt's number: 1 for the first, 2 for the first retry, and so on (see
+    /// [Attempt numbers](crate::retry#attempt-numbers)).
+    pub attempt: u32,
+    /// How the previous attempt failed, if there was one.
+    pub previous: Option<FailureClass>,
+    /// How many attempts in a row, just before this one, were overloaded.
+    pub consecutive_overloads: u32,
+    /// The most retries the policy allows this request.
+    pub max_retries: u32,
+    /// The loop carries state for the companion layers in a `Carried` extension too.
+    pub(crate) carries: bool,
+    /// The longest `Retry-After` the policy waits for.
+    pub(crate) retry_after_max: Duration,
+    /// This attempt's head timeout, as the loop arms it (cut to the deadline).
+    pub(crate) head_timeout: Option<Duration>,
+}
+
+mod sealed {
+    /// Splits an `http::Response` so the retry loop can name its body type.
+    pub trait HttpResponse {
+        /// The body type.
+        type Body;
+        /// `http::Response::into_parts`.
+        fn into_parts(self) -> (http::response::Parts, Self::Body);
+    }
+
+    impl<B> HttpResponse for http::Response<B> {
+        type Body = B;
+        fn into_parts(self) -> (http::response::Parts, B) {
+            http::Response::into_parts(self)
+        }
+    }
+}
+
+/// The response body type of an inner service, named through [`HttpResponse`].
+pub(crate) type ResBodyOf<S> =
+    <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
 
 /// Request extension: what the retry loop carries from one send of a request to the next for
 /// the companion layers inside it.
@@ -181,11 +262,4 @@ impl fmt::Debug for Asks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Asks").field("len", &self.0.len()).finish()
     }
-}
-
-/// How far down its fallback chain ModelFallbackLayer sent the attempt this response answers.
-pub(crate) fn served_level(head: &http::response::Parts) -> Option<u32> {
-    head.extensions
-        .get::<crate::fallback::ModelUsed>()
-        .map(|used| used.level)
 }
