@@ -148,21 +148,7 @@ impl Credential {
 
     /// Puts the credential on a request, replacing any value the header had.
     pub(crate) fn apply(&self, headers: &mut HeaderMap) {
-        match headers.entry(&self.header) {
-            // Already there, alone and marked sensitive as this one is (a re-send of a
-            // request this layer already signed, say): nothing to replace. A caller's own
-            // value is replaced even when equal, so that it is marked sensitive.
-            http::header::Entry::Occupied(entry)
-                if entry.iter().count() == 1
-                    && entry.get() == self.value
-                    && entry.get().is_sensitive() == self.value.is_sensitive() => {}
-            http::header::Entry::Occupied(mut entry) => {
-                entry.insert(self.value.clone());
-            }
-            http::header::Entry::Vacant(entry) => {
-                entry.insert(self.value.clone());
-            }
-        }
+        headers.insert(self.header.clone(), self.value.clone());
     }
 }
 
