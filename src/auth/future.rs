@@ -145,6 +145,7 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    #[inline]
     pub(crate) fn new(service: S, config: Arc<Config>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
         // A fallback target on another upstream brings its own credential source.

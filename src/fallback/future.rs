@@ -68,6 +68,7 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    #[inline]
     pub(crate) fn new(mut service: S, config: Arc<Config>, req: Request<B>) -> Self {
         let (mut parts, body) = req.into_parts();
         let ctx = parts.extensions.get::<AttemptContext>().copied();

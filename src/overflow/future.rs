@@ -68,6 +68,7 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    #[inline]
     pub(crate) fn new(mut service: S, config: Arc<Config>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
         let prepare = match (Inside::of(&parts), as_replay_body(body)) {

@@ -255,6 +255,7 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    #[inline]
     pub(crate) fn new(service: S, config: Arc<Config<C>>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
         let mut policy_override = parts.extensions.get::<RetryPolicy>().cloned();

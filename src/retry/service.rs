@@ -93,6 +93,7 @@ where
             .map_err(|e| Error::new(ErrorKind::Service).with_source(e))
     }
 
+    #[inline]
     fn call(&mut self, req: Request<B>) -> Self::Future {
         // The clone that was polled ready goes with this request; the fresh clone stays here
         // and is polled ready for the next call.
