@@ -614,12 +614,9 @@ impl Fleet {
         // Without any `user:password@`: the upstream is shown in read-outs and logs, and names
         // the scope in Redis, so the key leaves it out too.
         let authority = uri.authority()?.as_str();
-        let upstream = match authority.as_bytes().contains(&b'@') {
-            true => authority
-                .rsplit_once('@')
-                .map_or(authority, |(_, host)| host),
-            false => authority,
-        };
+        let upstream = authority
+            .rsplit_once('@')
+            .map_or(authority, |(_, host)| host);
         let credential = credential(headers);
         let key = {
             use std::hash::BuildHasher;
