@@ -33,15 +33,30 @@ pub struct ReplayBody {
 }
 
 // Small on purpose: every request of the stack, and every future of the client below it,
-// holds one and moves it. Trailers and the streaming body (both rare) are boxed, so a
-// `ReplayBody` is no larger than its `Bytes` and a pointer.
+// holds one and moves it. The common case, buffered bytes without trailers, is a `Bytes`;
+// everything else is boxed. A `ReplayBody` is as large as `Full<Bytes>`, so a request
+// carrying one is as large as the caller's (checked below): one size past 256 bytes and
+// every move of the request inside the client takes `memcpy`'s slower path.
 enum Kind {
+    /// Buffered bytes without trailers, not yet polled.
+    Bytes(Bytes),
+    /// Buffered bytes with trailers, or a streaming body; `None` once a `Bytes` body was
+    /// polled.
+    Other(Option<Box<Rest>>),
+}
+
+enum Rest {
     Buffered {
         data: Option<Bytes>,
-        trailers: Option<Box<HeaderMap>>,
+        trailers: Option<HeaderMap>,
     },
-    Streaming(Box<Streamed>),
+    Streaming(Streamed),
 }
+
+const _: () = assert!(
+    std::mem::size_of::<http::Request<ReplayBody>>()
+        <= std::mem::size_of::<http::Request<http_body_util::Full<Bytes>>>()
+);
 
 struct Streamed {
     // Wrapped so the body stays `Sync` (reqwest and others ask for it) even though the
@@ -54,7 +69,9 @@ struct Streamed {
 impl ReplayBody {
     /// A replayable body with these bytes.
     pub fn new(data: impl Into<Bytes>) -> Self {
-        Self::buffered(data.into(), None)
+        ReplayBody {
+            kind: Kind::Bytes(data.into()),
+        }
     }
 
     /// A replayable empty body.
@@ -63,21 +80,14 @@ impl ReplayBody {
     }
 
     pub(crate) fn buffered(data: Bytes, trailers: Option<HeaderMap>) -> Self {
-        ReplayBody {
-            kind: Kind::Buffered {
+        let kind = match trailers {
+            None => Kind::Bytes(data),
+            Some(trailers) => Kind::Other(Some(Box::new(Rest::Buffered {
                 data: Some(data),
-                trailers: trailers.map(Box::new),
-            },
-        }
-    }
-
-    fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
-        ReplayBody {
-            kind: Kind::Buffered {
-                data: Some(data),
-                trailers,
-            },
-        }
+                trailers: Some(trailers),
+            }))),
+        };
+        ReplayBody { kind }
     }
 
     /// A one-shot body that streams `body` through without buffering it.
@@ -89,10 +99,25 @@ impl ReplayBody {
         use http_body_util::BodyExt;
         let hint = body.size_hint();
         ReplayBody {
-            kind: Kind::Streaming(Box::new(Streamed {
+            kind: Kind::Other(Some(Box::new(Rest::Streaming(Streamed {
                 body: SyncWrapper::new(body.map_err(Into::into).boxed_unsync()),
                 hint,
-            })),
+            })))),
+        }
+    }
+
+    /// The buffered bytes and trailers, while this body is replayable.
+    fn replayable(&self) -> Option<(&Bytes, Option<&HeaderMap>)> {
+        match &self.kind {
+            Kind::Bytes(data) => Some((data, None)),
+            Kind::Other(Some(rest)) => match &**rest {
+                Rest::Buffered {
+                    data: Some(data),
+                    trailers,
+                } => Some((data, trailers.as_ref())),
+                _ => None,
+            },
+            Kind::Other(None) => None,
         }
     }
 
@@ -100,38 +125,32 @@ impl ReplayBody {
     ///
     /// Layers that rewrite the body (a model name, `max_tokens`) read it from here.
     pub fn as_bytes(&self) -> Option<&Bytes> {
-        match &self.kind {
-            Kind::Buffered { data, .. } => data.as_ref(),
-            Kind::Streaming(_) => None,
-        }
+        self.replayable().map(|(data, _)| data)
     }
 
     /// Whether this body can be sent again, that is, it was buffered.
     pub fn is_replayable(&self) -> bool {
-        matches!(self.kind, Kind::Buffered { data: Some(_), .. })
+        self.replayable().is_some()
     }
 
     /// A replayable body with `data` in place of these bytes and the same trailers: what a
     /// layer sends after rewriting one field. `None` for a body that is not replayable.
     pub(crate) fn with_data(&self, data: Bytes) -> Option<Self> {
-        match &self.kind {
-            Kind::Buffered {
-                data: Some(_),
-                trailers,
-            } => Some(Self::with_trailers(data, trailers.clone())),
-            _ => None,
-        }
+        self.replayable()
+            .map(|(_, trailers)| Self::buffered(data, trailers.cloned()))
     }
 
     /// A second handle on the same bytes, without copying them; `None` for a one-shot
     /// streaming body, or for a buffered body that has already been polled.
     pub fn try_clone(&self) -> Option<Self> {
         match &self.kind {
-            Kind::Buffered {
-                data: Some(data),
-                trailers,
-            } => Some(Self::with_trailers(data.clone(), trailers.clone())),
-            _ => None,
+            // The common case, kept apart from `replayable` so it is a reference count bump.
+            Kind::Bytes(data) => Some(ReplayBody {
+                kind: Kind::Bytes(data.clone()),
+            }),
+            _ => self
+                .replayable()
+                .map(|(data, trailers)| Self::buffered(data.clone(), trailers.cloned())),
         }
     }
 }
@@ -169,18 +188,26 @@ impl From<Vec<u8>> for ReplayBody {
 impl fmt::Debug for ReplayBody {
     // Never the bytes: a body can carry secrets, and a request log must not leak them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.kind {
-            Kind::Buffered { data, trailers } => f
-                .debug_struct("ReplayBody")
-                .field("len", &data.as_ref().map(Bytes::len))
-                .field("trailers", &trailers.is_some())
-                .finish(),
-            Kind::Streaming(streamed) => f
-                .debug_struct("ReplayBody")
-                .field("streaming", &true)
-                .field("size_hint", &streamed.hint)
-                .finish(),
-        }
+        let (len, trailers) = match &self.kind {
+            Kind::Bytes(data) => (Some(data.len()), false),
+            Kind::Other(None) => (None, false),
+            Kind::Other(Some(rest)) => match &**rest {
+                Rest::Buffered { data, trailers } => {
+                    (data.as_ref().map(Bytes::len), trailers.is_some())
+                }
+                Rest::Streaming(streamed) => {
+                    return f
+                        .debug_struct("ReplayBody")
+                        .field("streaming", &true)
+                        .field("size_hint", &streamed.hint)
+                        .finish();
+                }
+            },
+        };
+        f.debug_struct("ReplayBody")
+            .field("len", &len)
+            .field("trailers", &trailers)
+            .finish()
     }
 }
 
@@ -192,34 +219,52 @@ impl Body for ReplayBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match &mut self.get_mut().kind {
-            Kind::Buffered { data, trailers } => {
-                if let Some(data) = data.take() {
-                    if !data.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(data))));
-                    }
-                }
-                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t))))
+        let kind = &mut self.get_mut().kind;
+        match kind {
+            Kind::Bytes(_) => {
+                let Kind::Bytes(data) = std::mem::replace(kind, Kind::Other(None)) else {
+                    unreachable!("matched above")
+                };
+                Poll::Ready((!data.is_empty()).then(|| Ok(Frame::data(data))))
             }
-            Kind::Streaming(streamed) => Pin::new(streamed.body.get_mut()).poll_frame(cx),
+            Kind::Other(None) => Poll::Ready(None),
+            Kind::Other(Some(rest)) => match &mut **rest {
+                Rest::Buffered { data, trailers } => {
+                    if let Some(data) = data.take() {
+                        if !data.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                    }
+                    Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+                }
+                Rest::Streaming(streamed) => Pin::new(streamed.body.get_mut()).poll_frame(cx),
+            },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Buffered { data, trailers } => {
-                data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none()
-            }
-            Kind::Streaming(_) => false,
+            Kind::Bytes(data) => data.is_empty(),
+            Kind::Other(None) => true,
+            Kind::Other(Some(rest)) => match &**rest {
+                Rest::Buffered { data, trailers } => {
+                    data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none()
+                }
+                Rest::Streaming(_) => false,
+            },
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Buffered { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
-            Kind::Streaming(streamed) => streamed.hint,
+            Kind::Bytes(data) => SizeHint::with_exact(data.len() as u64),
+            Kind::Other(None) => SizeHint::with_exact(0),
+            Kind::Other(Some(rest)) => match &**rest {
+                Rest::Buffered { data, .. } => {
+                    SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+                }
+                Rest::Streaming(streamed) => streamed.hint,
+            },
         }
     }
 }
@@ -807,6 +852,63 @@ mod tests {
         let again = body.try_clone().unwrap();
         let c = again.collect().await.unwrap();
         assert_eq!(c.trailers(), Some(&t));
+    }
+
+    /// Polls `body` once, by hand, as a client does frame by frame.
+    fn poll_once(body: &mut ReplayBody) -> Option<Frame<Bytes>> {
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Ready(frame) => frame.map(|f| f.expect("a buffered body does not fail")),
+            Poll::Pending => panic!("a buffered body is always ready"),
+        }
+    }
+
+    #[test]
+    fn a_polled_body_is_spent_with_or_without_trailers() {
+        let mut t = HeaderMap::new();
+        t.insert("x-checksum", "abc".parse().unwrap());
+        for trailers in [None, Some(t.clone())] {
+            let mut body = ReplayBody::buffered(Bytes::from_static(b"hi"), trailers.clone());
+            assert!(body.is_replayable());
+            assert_eq!(body.size_hint().exact(), Some(2));
+            assert!(!body.is_end_stream());
+            let frame = poll_once(&mut body).expect("the data frame");
+            assert_eq!(&frame.into_data().unwrap()[..], b"hi");
+            if let Some(t) = &trailers {
+                assert!(!body.is_end_stream(), "the trailers are still to come");
+                let frame = poll_once(&mut body).expect("the trailers frame");
+                assert_eq!(frame.into_trailers().unwrap(), *t);
+            }
+            // Spent: nothing more, nothing to send again, and it says so.
+            assert!(poll_once(&mut body).is_none());
+            assert!(body.is_end_stream());
+            assert!(!body.is_replayable());
+            assert!(body.try_clone().is_none());
+            assert!(body.as_bytes().is_none());
+            assert!(body.with_data(Bytes::from_static(b"x")).is_none());
+            assert_eq!(body.size_hint().exact(), Some(0));
+        }
+        // An empty body ends at its first poll, and is spent after it too.
+        let mut body = ReplayBody::empty();
+        assert!(body.is_replayable());
+        assert!(poll_once(&mut body).is_none());
+        assert!(!body.is_replayable());
+    }
+
+    #[test]
+    fn with_data_keeps_the_trailers() {
+        let mut t = HeaderMap::new();
+        t.insert("x-checksum", "abc".parse().unwrap());
+        let body = ReplayBody::buffered(Bytes::from_static(b"hi"), Some(t.clone()));
+        let mut rewritten = body.with_data(Bytes::from_static(b"bye")).unwrap();
+        assert_eq!(rewritten.as_bytes().unwrap(), &Bytes::from_static(b"bye"));
+        poll_once(&mut rewritten).expect("the data frame");
+        let frame = poll_once(&mut rewritten).expect("the trailers frame");
+        assert_eq!(frame.into_trailers().unwrap(), t);
+        let plain = ReplayBody::new(Bytes::from_static(b"hi"));
+        let rewritten = plain.with_data(Bytes::from_static(b"bye")).unwrap();
+        assert!(format!("{rewritten:?}").contains("trailers: false"));
     }
 
     #[test]

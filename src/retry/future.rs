@@ -274,39 +274,43 @@ where
             .unwrap_or(&config.policy)
             .get_deadline()
             .and_then(|d| started.checked_add(d));
-        let ctx = Ctx {
-            service,
-            config,
-            policy_override: policy_override.map(Box::new),
-            held: Held::new(parts),
-            retries: 0,
-            sent: 0,
-            consecutive_overloads: 0,
-            previous: None,
-            replay_safe,
-            one_shot: false,
-            transparent_used: false,
-            transparent_next: false,
-            trail: RetryTrail::default(),
-            started,
-            deadline,
-            model: None,
-            gate_passed: false,
-            paced: None,
-            kept: false,
-            carried: None,
-            resend_next: false,
-            resends: 0,
-            stepped: false,
-            keys_resting: false,
-            served_level: None,
-            attempt_head_timeout: None,
-            scoped,
-        };
-        let state = State::Buffering {
-            prepare: PrepareBody::new(body, ctx.config.body_limit),
-        };
-        ResponseFuture { state, ctx }
+        // One expression, so the future is built where it is returned: a `Ctx` built
+        // aside and moved in was one more copy of it.
+        let limit = config.body_limit;
+        ResponseFuture {
+            state: State::Buffering {
+                prepare: PrepareBody::new(body, limit),
+            },
+            ctx: Ctx {
+                service,
+                config,
+                policy_override: policy_override.map(Box::new),
+                held: Held::new(parts),
+                retries: 0,
+                sent: 0,
+                consecutive_overloads: 0,
+                previous: None,
+                replay_safe,
+                one_shot: false,
+                transparent_used: false,
+                transparent_next: false,
+                trail: RetryTrail::default(),
+                started,
+                deadline,
+                model: None,
+                gate_passed: false,
+                paced: None,
+                kept: false,
+                carried: None,
+                resend_next: false,
+                resends: 0,
+                stepped: false,
+                keys_resting: false,
+                served_level: None,
+                attempt_head_timeout: None,
+                scoped,
+            },
+        }
     }
 }
 
