@@ -35,8 +35,8 @@ pub struct ReplayBody {
 // Small on purpose: every request of the stack, and every future of the client below it,
 // holds one and moves it. The common case, buffered bytes without trailers, is a `Bytes`;
 // everything else is boxed. A `ReplayBody` is as large as `Full<Bytes>`, so a request
-// carrying one is as large as the caller's (checked below): one size past 256 bytes and
-// every move of the request inside the client takes `memcpy`'s slower path.
+// carrying one is as large as the caller's (checked below): past 256 bytes, every move of
+// the request inside the client takes `memcpy`'s slower path.
 enum Kind {
     /// Buffered bytes without trailers, not yet polled.
     Bytes(Bytes),
@@ -876,7 +876,13 @@ mod tests {
             let frame = poll_once(&mut body).expect("the data frame");
             assert_eq!(&frame.into_data().unwrap()[..], b"hi");
             if let Some(t) = &trailers {
+                // The data is out, the trailers are still to come: not replayable any more.
                 assert!(!body.is_end_stream(), "the trailers are still to come");
+                assert!(!body.is_replayable());
+                assert!(body.as_bytes().is_none());
+                assert!(body.try_clone().is_none());
+                assert_eq!(body.size_hint().exact(), Some(0));
+                assert!(format!("{body:?}").contains("len: None, trailers: true"));
                 let frame = poll_once(&mut body).expect("the trailers frame");
                 assert_eq!(frame.into_trailers().unwrap(), *t);
             }
@@ -888,7 +894,15 @@ mod tests {
             assert!(body.as_bytes().is_none());
             assert!(body.with_data(Bytes::from_static(b"x")).is_none());
             assert_eq!(body.size_hint().exact(), Some(0));
+            assert!(format!("{body:?}").contains("len: None, trailers: false"));
         }
+        // Empty data with trailers: the trailers alone, then the end.
+        let mut body = ReplayBody::buffered(Bytes::new(), Some(t.clone()));
+        assert!(!body.is_end_stream());
+        let frame = poll_once(&mut body).expect("the trailers frame");
+        assert_eq!(frame.into_trailers().unwrap(), t);
+        assert!(poll_once(&mut body).is_none());
+        assert!(body.is_end_stream());
         // An empty body ends at its first poll, and is spent after it too.
         let mut body = ReplayBody::empty();
         assert!(body.is_replayable());

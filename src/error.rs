@@ -56,10 +56,12 @@ pub enum ErrorKind {
     /// [`Error::fallback_triggered`].
     FallbackTriggered,
     /// The request's deadline ([`RetryPolicy::deadline`](crate::RetryPolicy::deadline))
-    /// passed, or would pass, while it waited to start an attempt: at the cooldown gate, in
-    /// the pacing line, or for the inner service to be ready. No attempt was started after
-    /// it. The source is a [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists
-    /// the attempts made before.
+    /// passed, or would pass, while it waited to start an attempt (at the cooldown gate, in
+    /// the pacing line, or for the inner service to be ready), or while the loop was still
+    /// reading the start of an answer's body to judge it (an error body, an event stream
+    /// before its first output). No attempt was started after it. The source is a
+    /// [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists the attempts made,
+    /// the one whose answer was being read included.
     DeadlineExceeded,
     /// An event stream of a known protocol (Anthropic Messages, OpenAI Chat Completions or
     /// Responses) ended cleanly after the commit point without its terminal event: a hop cut
@@ -108,9 +110,7 @@ impl ErrorKind {
             ErrorKind::IdleTimeout => "response body idle timeout",
             ErrorKind::ResponseBody => "failed to read the response body",
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
-            ErrorKind::DeadlineExceeded => {
-                "the request's deadline passed before an attempt could start"
-            }
+            ErrorKind::DeadlineExceeded => "the request's deadline passed",
             ErrorKind::IncompleteStream => "the event stream ended without its terminal event",
             ErrorKind::PacingWaitTooLong => {
                 "the turn in the pacing line is further off than the request may wait"

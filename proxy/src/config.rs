@@ -409,26 +409,49 @@ impl Config {
 
     /// Parses TOML, without env overrides or validation.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::new(e.to_string()))
+        // The parser's own message quotes the offending line, which may hold a secret (a
+        // `redis_url` with its password, a `client_token`): say where, not what.
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            let at = e.span().map(|span| {
+                let before = &text.as_bytes()[..span.start.min(text.len())];
+                let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+                let column = before.iter().rev().take_while(|&&b| b != b'\n').count() + 1;
+                format!(" at line {line}, column {column}")
+            });
+            ConfigError::new(format!(
+                "{}{}",
+                e.message().trim_end(),
+                at.unwrap_or_default()
+            ))
+        })
     }
 
     /// Applies `LLM_RETRY_PROXY_*` overrides from `vars`: `LISTEN`, `MAX_BODY_BYTES`,
     /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `LOG_FORMAT`,
     /// `CLIENT_TOKEN`, `REDIS_URL`, `REDIS_PREFIX`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
     /// `UPSTREAM_{NAME}_MAX_RETRIES` (`NAME` upper-cased, `-` as `_`).
+    ///
+    /// A variable that `client_token_env` or an upstream's `keys_env` names is the secret
+    /// itself, not a setting, and is left alone even when it has the prefix. No error quotes
+    /// a variable's value: a misspelt name may hold a key.
     pub fn apply_env(
         &mut self,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<(), ConfigError> {
-        for (key, value) in vars {
-            let Some(key) = key.strip_prefix(ENV_PREFIX) else {
+        let secrets: Vec<String> = self
+            .client_token_env
+            .iter()
+            .chain(self.upstream.iter().filter_map(|u| u.keys_env.as_ref()))
+            .cloned()
+            .collect();
+        for (name, value) in vars {
+            if secrets.contains(&name) {
+                continue;
+            }
+            let Some(key) = name.strip_prefix(ENV_PREFIX) else {
                 continue;
             };
-            let bad = |what: &str| {
-                ConfigError::new(format!(
-                    "environment variable {ENV_PREFIX}{key}: {what} (got {value:?})"
-                ))
-            };
+            let bad = |what: &str| ConfigError::new(format!("environment variable {name}: {what}"));
             match key {
                 "LISTEN" => self.listen = value.parse().map_err(|_| bad("expected ip:port"))?,
                 "MAX_BODY_BYTES" => {
@@ -460,11 +483,21 @@ impl Config {
                     let Some(rest) = key.strip_prefix("UPSTREAM_") else {
                         return Err(bad("unknown setting"));
                     };
+                    // The longest name that fits: with upstreams `eu` and `eu_west`,
+                    // `UPSTREAM_EU_WEST_URL` is `eu_west`'s (names that read the same here
+                    // are refused by `validate`).
                     let up = self
                         .upstream
                         .iter_mut()
-                        .find(|u| rest.starts_with(&format!("{}_", env_name(&u.name))))
-                        .ok_or_else(|| bad("no upstream of that name"))?;
+                        .filter(|u| {
+                            rest.strip_prefix(&env_name(&u.name))
+                                .and_then(|r| r.strip_prefix('_'))
+                                .is_some_and(|setting| {
+                                    matches!(setting, "URL" | "POLICY" | "MAX_RETRIES")
+                                })
+                        })
+                        .max_by_key(|u| u.name.len())
+                        .ok_or_else(|| bad("no upstream of that name, or no such setting"))?;
                     match &rest[env_name(&up.name).len() + 1..] {
                         "URL" => up.url = value.clone(),
                         "POLICY" => up.policy = Preset::from_name(&value).ok_or_else(|| {
@@ -494,9 +527,26 @@ impl Config {
                 "max_concurrent_requests = 0 would refuse every request: use at least 1",
             ));
         }
+        if self.max_concurrent_requests > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(ConfigError::new(format!(
+                "max_concurrent_requests must be at most {}",
+                tokio::sync::Semaphore::MAX_PERMITS
+            )));
+        }
         if self.max_tenants == 0 {
             return Err(ConfigError::new("max_tenants must be at least 1"));
         }
+        if self
+            .client_token
+            .as_ref()
+            .is_some_and(|t| t.expose().trim().is_empty())
+        {
+            // An empty token matches an empty `x-api-key`: the proxy's keys for anyone.
+            return Err(ConfigError::new(
+                "client_token is empty: set a token, or leave it out",
+            ));
+        }
+        let mut env_names: Vec<String> = Vec::new();
         self.redis_store()?;
         let mut prefixes = Vec::new();
         for up in &self.upstream {
@@ -511,6 +561,14 @@ impl Config {
                     "{at}: name must be non-empty ASCII letters, digits, '-' or '_'"
                 )));
             }
+            let env = env_name(&up.name);
+            if env_names.contains(&env) {
+                return Err(ConfigError::new(format!(
+                    "{at}: name reads as {env} in environment variables, as another upstream's \
+                     does: rename one"
+                )));
+            }
+            env_names.push(env);
             let uri: http::Uri = up.url.parse().map_err(|e| {
                 ConfigError::new(format!("{at}: url {:?} is not a URL: {e}", up.url))
             })?;
@@ -762,5 +820,99 @@ mod tests {
         let mut c = Config::default();
         c.upstream[0].url = "ftp://x".into();
         assert!(c.validate().unwrap_err().to_string().contains("http://"));
+    }
+
+    #[test]
+    fn no_env_error_quotes_a_value_and_named_secrets_are_left_alone() {
+        // The variable the README names for the token has the prefix: it is the token, not a
+        // setting, and so are the keys a `keys_env` names.
+        let mut c = Config::from_toml(
+            "client_token_env = \"LLM_RETRY_PROXY_TOKEN\"\n[[upstream]]\nname = \"a\"\n\
+             keys_env = \"LLM_RETRY_PROXY_KEYS\"\n",
+        )
+        .unwrap();
+        c.apply_env([
+            ("LLM_RETRY_PROXY_TOKEN".into(), "tok-SECRET".into()),
+            ("LLM_RETRY_PROXY_KEYS".into(), "sk-SECRET".into()),
+        ])
+        .unwrap();
+        // A misspelt setting, a bad value, an unknown upstream setting: named, never quoted.
+        for (name, value) in [
+            ("LLM_RETRY_PROXY_TOKN", "tok-SECRET"),
+            ("LLM_RETRY_PROXY_MAX_BODY_BYTES", "sk-SECRET"),
+            ("LLM_RETRY_PROXY_UPSTREAM_A_KEYS", "sk-SECRET"),
+        ] {
+            let e = c
+                .apply_env([(name.into(), value.into())])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(name), "{e}");
+            assert!(!e.contains("SECRET"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_syntax_error_says_where_not_what() {
+        let e = Config::from_toml("redis_url = 'redis://:pw-SECRET@h\nlisten = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("SECRET"), "{e}");
+        assert!(e.contains("line 1"), "{e}");
+        let e = Config::from_toml("listen = \"127.0.0.1:1\"\nlisten_port = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("listen_port") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_client_token_is_refused() {
+        for token in ["", "  "] {
+            let mut c = Config {
+                client_token: Some(Secret::new(token)),
+                ..Config::default()
+            };
+            c.upstream[0].keys_env = Some("SOME_KEYS".into());
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("client_token is empty"), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_upstream_override_goes_to_the_longest_name_and_names_must_differ() {
+        let mut c = Config::from_toml(
+            "[[upstream]]\nname = \"eu\"\n[[upstream]]\nname = \"eu_west\"\nprefix = \"/w\"\n",
+        )
+        .unwrap();
+        c.apply_env([
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_EU_WEST_URL".into(),
+                "http://west.example".into(),
+            ),
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_EU_URL".into(),
+                "http://eu.example".into(),
+            ),
+        ])
+        .unwrap();
+        assert_eq!(c.upstream[0].url, "http://eu.example");
+        assert_eq!(c.upstream[1].url, "http://west.example");
+        c.validate().unwrap();
+        // `a-b` and `a_b` both read as `A_B`: one would take the other's overrides.
+        let c = Config::from_toml(
+            "[[upstream]]\nname = \"a-b\"\n[[upstream]]\nname = \"a_b\"\nprefix = \"/x\"\n",
+        )
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("A_B"), "{e}");
+    }
+
+    #[test]
+    fn a_concurrency_cap_above_what_a_semaphore_holds_is_refused() {
+        let c = Config {
+            max_concurrent_requests: usize::MAX,
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_concurrent_requests"), "{e}");
     }
 }

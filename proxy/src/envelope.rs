@@ -18,6 +18,8 @@ pub enum Reject {
     BodyTooLarge,
     /// The request body could not be read.
     BodyRead,
+    /// The request body stalled: no byte for the proxy's body timeout.
+    BodyTimeout,
     /// A header the proxy reads is not valid.
     BadHeader,
     /// The proxy holds the keys and the client token is missing or wrong.
@@ -41,6 +43,7 @@ impl Reject {
             Reject::NotFound => StatusCode::NOT_FOUND,
             Reject::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Reject::BodyRead | Reject::BadHeader => StatusCode::BAD_REQUEST,
+            Reject::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Reject::Unauthorized => StatusCode::UNAUTHORIZED,
             Reject::Busy | Reject::Budget => StatusCode::SERVICE_UNAVAILABLE,
             Reject::Upstream | Reject::Credential => StatusCode::BAD_GATEWAY,
@@ -54,6 +57,7 @@ impl Reject {
             Reject::NotFound => "not_found",
             Reject::BodyTooLarge => "body_too_large",
             Reject::BodyRead => "body_read",
+            Reject::BodyTimeout => "body_timeout",
             Reject::BadHeader => "bad_header",
             Reject::Unauthorized => "unauthorized",
             Reject::Busy => "busy",
@@ -68,9 +72,10 @@ impl Reject {
         match (self, kind) {
             (Reject::NotFound, _) => "not_found_error",
             (Reject::BodyTooLarge, Kind::Anthropic) => "request_too_large",
-            (Reject::BodyTooLarge | Reject::BodyRead | Reject::BadHeader, _) => {
-                "invalid_request_error"
-            }
+            (
+                Reject::BodyTooLarge | Reject::BodyRead | Reject::BodyTimeout | Reject::BadHeader,
+                _,
+            ) => "invalid_request_error",
             (Reject::Unauthorized, _) => "authentication_error",
             (Reject::Busy, Kind::Anthropic) => "overloaded_error",
             (_, Kind::Anthropic) => "api_error",
@@ -83,6 +88,8 @@ impl Reject {
     fn should_retry(self) -> Option<bool> {
         match self {
             Reject::Busy => Some(true),
+            // The client's own upload stalled: sending it again may well go through.
+            Reject::BodyTimeout => Some(true),
             // Whether the proxy retried is the caller's to say (see `server`).
             Reject::Upstream | Reject::Deadline | Reject::Budget | Reject::Credential => None,
             _ => Some(false),

@@ -37,11 +37,6 @@ fn main() -> ExitCode {
     if let Some(addr) = args.listen {
         config.listen = addr;
     }
-    if args.check_config {
-        print!("{}", config.masked());
-        return ExitCode::SUCCESS;
-    }
-    init_logs(config.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -52,6 +47,21 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.check_config {
+        // Every check the server makes at start, not only the file's: the key sources, the
+        // CA file, the client token's variable. Nothing listens or connects.
+        let built = {
+            let _rt = rt.enter();
+            Proxy::new(config.clone())
+        };
+        if let Err(e) = built {
+            eprintln!("llm-retry-proxy: {e}");
+            return ExitCode::from(2);
+        }
+        print!("{}", config.masked());
+        return ExitCode::SUCCESS;
+    }
+    init_logs(config.log_format);
     match rt.block_on(run(config, args.demo)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

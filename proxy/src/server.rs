@@ -42,8 +42,13 @@ pub const FALLBACK: &str = "x-llm-retry-fallback";
 /// Response header: why the proxy stopped retrying, when it gave up.
 pub const GAVE_UP: &str = "x-llm-retry-gave-up";
 
-/// How long a client may take to send a request's headers.
+/// How long a client may take to send a request's headers, and how long a new connection
+/// may stay silent before its first request.
 const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// How long a request body may go without a byte while the proxy reads it: the request holds
+/// one of the `max_concurrent_requests` slots meanwhile.
+const BODY_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A configured proxy, ready to serve.
 #[derive(Clone, Debug)]
@@ -162,7 +167,13 @@ impl Proxy {
             };
             let _ = tcp.set_nodelay(true);
             let state = self.state.clone();
+            // Set by the connection's first request. Until then no timeout of hyper's runs:
+            // HTTP/1's header timeout starts once the protocol is known, and a connection
+            // that sends nothing, or half of HTTP/2's preface, never gets that far.
+            let served = Arc::new(AtomicBool::new(false));
+            let seen = served.clone();
             let svc = hyper::service::service_fn(move |req| {
+                seen.store(true, Ordering::Relaxed);
                 let state = state.clone();
                 async move { Ok::<_, Infallible>(state.handle(req).await) }
             });
@@ -171,8 +182,17 @@ impl Proxy {
                 .into_owned();
             let conn = graceful.watch(conn);
             conns.spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "connection ended with an error");
+                let silent = async {
+                    tokio::time::sleep(HEADER_READ_TIMEOUT).await;
+                    if served.load(Ordering::Relaxed) {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                tokio::select! {
+                    res = conn => if let Err(e) = res {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    },
+                    () = silent => tracing::debug!("connection closed: no request in time"),
                 }
             });
             // Reap finished connections so the set does not grow.
@@ -191,6 +211,66 @@ impl Proxy {
         conns.shutdown().await;
         Ok(())
     }
+}
+
+/// Whether an answer is an event stream: `text/event-stream` in any case (media types are
+/// case-insensitive), with or without parameters, as the library's loop reads it.
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
+}
+
+/// Why a request body could not be read.
+enum BodyError {
+    TooLarge,
+    Stalled,
+    Read,
+}
+
+/// Reads a request body whole, up to `cap` bytes, each frame within [`BODY_IDLE_TIMEOUT`] of
+/// the one before.
+async fn read_body<B>(body: B, cap: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, cap));
+    let mut chunks: Vec<Bytes> = Vec::new();
+    loop {
+        let frame = match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.frame()).await {
+            Err(_) => return Err(BodyError::Stalled),
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e))) => {
+                return Err(
+                    if e.downcast_ref::<http_body_util::LengthLimitError>()
+                        .is_some()
+                    {
+                        BodyError::TooLarge
+                    } else {
+                        BodyError::Read
+                    },
+                )
+            }
+        };
+        // Trailers of a request are not forwarded (as before): only the data is kept.
+        if let Ok(data) = frame.into_data() {
+            if !data.is_empty() {
+                chunks.push(data);
+            }
+        }
+    }
+    Ok(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().expect("one chunk"),
+        _ => Bytes::from(chunks.concat()),
+    })
 }
 
 fn rand_salt() -> [u8; 16] {
@@ -292,10 +372,21 @@ impl State {
             let h = req.headers();
             let get = |n: &str| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
             let (key, auth) = (get("x-api-key"), get("authorization"));
+            // Azure OpenAI's header; appended only when sent, so the other tenants' names
+            // (and their fleets' Redis keys) are as they were.
+            let azure = get("api-key");
             if factory.shares_fleets() {
                 credential = [key, b"\n", auth].concat();
+                if !azure.is_empty() {
+                    credential.extend_from_slice(b"\napi-key: ");
+                    credential.extend_from_slice(azure);
+                }
             }
-            TenantId::of(&self.salt, &[key, auth])
+            if azure.is_empty() {
+                TenantId::of(&self.salt, &[key, auth])
+            } else {
+                TenantId::of(&self.salt, &[key, auth, b"api-key", azure])
+            }
         };
 
         let cap = self.config.max_body_bytes;
@@ -317,21 +408,27 @@ impl State {
             _ => {}
         }
         let (parts, body) = req.into_parts();
-        let body = match Limited::new(body, cap).collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => {
-                return if e
-                    .downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some()
-                {
-                    self.reject(
-                        kind,
-                        Reject::BodyTooLarge,
-                        &format!("request body is over this proxy's limit of {cap} bytes"),
-                    )
-                } else {
-                    self.reject(kind, Reject::BodyRead, "the request body could not be read")
-                };
+        let body = match read_body(body, cap).await {
+            Ok(b) => b,
+            Err(BodyError::TooLarge) => {
+                return self.reject(
+                    kind,
+                    Reject::BodyTooLarge,
+                    &format!("request body is over this proxy's limit of {cap} bytes"),
+                )
+            }
+            Err(BodyError::Stalled) => {
+                return self.reject(
+                    kind,
+                    Reject::BodyTimeout,
+                    &format!(
+                        "the request body stalled: no byte for {} s",
+                        BODY_IDLE_TIMEOUT.as_secs()
+                    ),
+                )
+            }
+            Err(BodyError::Read) => {
+                return self.reject(kind, Reject::BodyRead, "the request body could not be read")
             }
         };
 
@@ -440,11 +537,7 @@ impl State {
                     ms = start.elapsed().as_millis() as u64,
                     "request"
                 );
-                let sse = head
-                    .headers
-                    .get(CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+                let sse = is_event_stream(&head.headers);
                 let style = sse.then(|| StreamStyle::for_route(kind, &path));
                 if sse {
                     // The stream may end with an error event of the proxy's: its length is
@@ -574,5 +667,30 @@ fn decorate(headers: &mut HeaderMap, attempts: u32, gave_up: Option<GiveUpReason
     );
     if exhausted && mode != Mode::Off {
         headers.insert("x-should-retry", HeaderValue::from_static("false"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_stream_in_any_case_with_parameters() {
+        let headers = |ct: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+            h
+        };
+        for yes in [
+            "text/event-stream",
+            "Text/Event-Stream",
+            " TEXT/EVENT-STREAM; charset=utf-8",
+        ] {
+            assert!(is_event_stream(&headers(yes)), "{yes}");
+        }
+        for no in ["text/event-streams", "application/json"] {
+            assert!(!is_event_stream(&headers(no)), "{no}");
+        }
+        assert!(!is_event_stream(&http::HeaderMap::new()));
     }
 }

@@ -12,8 +12,10 @@ pub const X_SHOULD_RETRY: &str = "x-should-retry";
 /// Reads the wait a response asks for, first found wins: `retry-after-ms`, `retry-after` as
 /// (possibly fractional) seconds, then `retry-after` as an HTTP-date relative to `now`.
 ///
-/// NaN, infinite, negative, overflowing or unparseable values count as absent, and so does an
-/// HTTP-date in the past. When a header appears more than once, its first value is used.
+/// NaN, infinite, negative or unparseable values count as absent, and so does an HTTP-date in
+/// the past. A plain number too large for a `Duration` is `Duration::MAX`: a wait above any
+/// ceiling, as the server asked for, not no wait at all. When a header appears more than once,
+/// its first value is used.
 pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     parse_retry_after_with(headers, || now)
 }
@@ -75,7 +77,8 @@ fn duration_from_secs(secs: f64) -> Option<Duration> {
     if !secs.is_finite() || secs < 0.0 {
         return None;
     }
-    Duration::try_from_secs_f64(secs).ok()
+    // Finite and not negative: only too large can fail, and that is the longest wait.
+    Some(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
 }
 
 #[cfg(test)]
@@ -130,7 +133,14 @@ mod tests {
             (&[("retry-after", "infinity")], None),
             (&[("retry-after", "1e3")], None),
             (&[("retry-after-ms", "1e308")], None),
-            (&[("retry-after", "99999999999999999999")], None),
+            (
+                &[("retry-after", "99999999999999999999")],
+                Some(Duration::MAX),
+            ),
+            (
+                &[("retry-after-ms", "99999999999999999999999")],
+                Some(Duration::MAX),
+            ),
             (&[("retry-after", "garbage")], None),
             (&[("retry-after", "")], None),
             (&[("retry-after", ".")], None),

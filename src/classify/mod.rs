@@ -40,8 +40,9 @@
 //! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
 //! (fractional) seconds, then `retry-after` as an HTTP-date, read against the response's own
 //! `Date` when it has one (so the host's clock skew does not change the wait; the system
-//! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative,
-//! overflowing and unparseable values count as absent, and so does a date in the past; a
+//! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative and
+//! unparseable values count as absent, and so does a date in the past; a number too large to
+//! hold is the longest wait (above any ceiling, so the policy's choice for that applies); a
 //! header sent twice counts with its first value. A `Retry-After` applies only to the sleep
 //! right after the response that carried it; the policy clamps it and decides what a wait above
 //! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
+use http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
@@ -17,7 +17,7 @@ use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::error::BoxError;
 use crate::pipeline::body::{IdleTimer, Peeked};
 use crate::pipeline::{HttpResponse, ResBodyOf, RetryBody};
-use crate::stream::OutputTruncated;
+use crate::stream::{is_event_stream, OutputTruncated};
 
 pin_project! {
     /// The response future of [`Continuation`](super::Continuation).
@@ -199,13 +199,6 @@ where
             }
         }
     }
-}
-
-fn is_event_stream(head: &http::response::Parts) -> bool {
-    head.headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
 }
 
 impl<S> Ctx<S> {

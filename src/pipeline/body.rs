@@ -383,6 +383,12 @@ where
         if self.done {
             return true;
         }
+        // A stream still waiting for its terminal event may end in `IncompleteStream`: its
+        // end is known only at the poll that finds it (hyper, trusting a `true` here, would
+        // end the response cleanly and the cut would never be raised).
+        if self.scan.as_ref().is_some_and(|scan| !scan.settled()) {
+            return false;
+        }
         match &self.kind {
             Kind::Plain { body } => body.is_end_stream(),
             Kind::Peeked { peeked } => {

@@ -25,7 +25,9 @@ use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::pipeline::body::{IdleTimer, Peeked, Read, RetryBody};
 use crate::pipeline::{Asks, AttemptContext, Carried, Failed, HttpResponse, Judged, ResBodyOf};
 use crate::provider::error_body::ErrorBody;
-use crate::stream::{CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan};
+use crate::stream::{
+    is_event_stream, CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan,
+};
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
@@ -120,6 +122,8 @@ struct PeekState<R> {
     asks: Option<Asks>,
     // Handed on to the body the caller gets.
     idle: IdleTimer,
+    // The request's deadline, when it has one: it bounds the read as it bounds the waits.
+    deadline: Option<Pin<Box<Sleep>>>,
     span: Span,
 }
 
@@ -274,8 +278,8 @@ where
             .unwrap_or(&config.policy)
             .get_deadline()
             .and_then(|d| started.checked_add(d));
-        // One expression, so the future is built where it is returned: a `Ctx` built
-        // aside and moved in was one more copy of it.
+        // One expression, which lets the compiler build the future where it is returned: a
+        // `Ctx` built aside and moved in was one more copy of it.
         let limit = config.body_limit;
         ResponseFuture {
             state: State::Buffering {
@@ -367,8 +371,9 @@ where
                             this.state.set(State::Done);
                             return Poll::Ready(Err(ctx.cancelled()));
                         }
-                        // A companion's re-send of the same attempt was admitted with it.
-                        let admission = match ctx.resend_next {
+                        // A companion's re-send of the same attempt, and a re-send HTTP/2
+                        // proved the server never processed, were admitted with it.
+                        let admission = match ctx.resend_next || ctx.transparent_next {
                             true => Ok(None),
                             false => ctx.admit(),
                         };
@@ -480,6 +485,9 @@ where
                                         mode,
                                         asks,
                                         idle: IdleTimer::new(ctx.policy().get_idle_timeout()),
+                                        deadline: ctx
+                                            .deadline
+                                            .map(|d| Box::pin(tokio::time::sleep_until(d))),
                                         span,
                                     }),
                                 });
@@ -586,8 +594,30 @@ where
                         mode,
                         asks,
                         idle,
+                        deadline,
                         span,
                     } = &mut **peek;
+                    // A body that stalls after its head does not hold the request past its
+                    // deadline: the attempt is recorded as it stands, and the request ends.
+                    if deadline
+                        .as_mut()
+                        .is_some_and(|d| d.as_mut().poll(cx).is_ready())
+                    {
+                        let head = head.take().expect("peek state holds the head");
+                        let peeked = peeked.take().expect("peek state holds the body");
+                        let c = match mode {
+                            PeekMode::ErrorBody => ctx
+                                .config
+                                .classifier
+                                .classify_response(&head, Some(&peeked.contiguous())),
+                            _ => Classification::retry(FailureClass::Timeout),
+                        };
+                        ctx.fleet()
+                            .observe(&head, c.retry_after(), ctx.policy().fleet_limits());
+                        ctx.note_cut_by_deadline(&c, head.status);
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.deadline_exceeded()));
+                    }
                     let body = peeked.as_mut().expect("peek state holds the body");
                     let outcome = ready!(poll_peek(
                         body,
@@ -850,17 +880,6 @@ fn give_up_kind(reason: GiveUpReason) -> ErrorKind {
     }
 }
 
-fn is_event_stream(head: &http::response::Parts) -> bool {
-    head.headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.split(';')
-                .next()
-                .is_some_and(|m| m.trim().eq_ignore_ascii_case("text/event-stream"))
-        })
-}
-
 impl<S, C> Ctx<S, C>
 where
     S: Service<Request<ReplayBody>>,
@@ -897,7 +916,7 @@ where
         tracing::warn!(
             attempts = self.sent,
             deadline_ms = limit.as_millis() as u64,
-            "LLM request deadline reached before an attempt could start"
+            "LLM request deadline reached"
         );
         let trail = self.finished_trail();
         if let Some(observer) = &self.config.observer {
@@ -906,6 +925,22 @@ where
         Error::new(ErrorKind::DeadlineExceeded)
             .with_source(TimedOut::new(TimeoutKind::Deadline, limit))
             .with_trail(trail)
+    }
+
+    /// Records the attempt whose answer was still being read when the deadline passed.
+    fn note_cut_by_deadline(&mut self, c: &Classification, status: http::StatusCode) {
+        let class = c.class().unwrap_or(FailureClass::Timeout);
+        let limit = self.policy().get_deadline().unwrap_or_default();
+        let cut = TimedOut::new(TimeoutKind::Deadline, limit);
+        self.trail.push(AttemptRecord {
+            attempt: self.retries + 1,
+            class,
+            status: Some(status),
+            retry_after: c.retry_after(),
+            delay: None,
+            error: Some(error_chain(&cut)),
+            elapsed: self.started.elapsed(),
+        });
     }
 
     /// The error for a wait that ended before its time.
@@ -992,14 +1027,19 @@ where
         B: Body,
         B::Error: Into<BoxError>,
     {
-        // A companion's re-send is the same attempt: not counted, paid or admitted again.
+        // A companion's re-send is the same attempt: not counted, paid or admitted again. A
+        // re-send HTTP/2 proved never processed is the same attempt too, though a send of
+        // its own: counted as sent, neither paid nor admitted again.
+        let proof = std::mem::take(&mut self.transparent_next);
         if !std::mem::take(&mut self.resend_next) {
             self.sent += 1;
             // Fleet: first attempts pay into the shared retry budget.
-            if self.retries == 0 {
+            if self.retries == 0 && !proof {
                 self.fleet().deposit();
             }
-            self.gate_passed = false;
+            if !proof {
+                self.gate_passed = false;
+            }
         }
         let last = self.one_shot || self.retries >= self.policy().get_max_retries();
         self.kept = !last;
@@ -1068,8 +1108,8 @@ where
         B: Body,
         B::Error: Into<BoxError>,
     {
-        if std::mem::take(&mut self.transparent_next) {
-            // The same attempt again, at once.
+        if self.transparent_next {
+            // The same attempt again, at once (the send takes the flag).
             return State::Ready { watch: None };
         }
         self.retries += 1;
@@ -1138,7 +1178,9 @@ where
             return Err(GiveUpReason::MaxRetries);
         }
         if let Some(limit) = policy.get_max_consecutive_overloads() {
-            if self.consecutive_overloads >= limit {
+            // Only an overload counts toward it (the count starts over at any other failure):
+            // with a limit of 0, overloads are not retried and other failures still are.
+            if self.consecutive_overloads > 0 && self.consecutive_overloads >= limit {
                 return Err(GiveUpReason::MaxConsecutiveOverloads);
             }
         }

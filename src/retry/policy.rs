@@ -305,7 +305,9 @@ impl RetryPolicy {
     }
 
     /// Stop after this many consecutive overloaded attempts (529 or `overloaded_error`), so a
-    /// fallback can take over sooner. Defaults to `None` (no such limit).
+    /// fallback can take over sooner; `Some(0)` retries no overload. Only an overload stops
+    /// the request: any other failure is retried as usual, and starts the count over.
+    /// Defaults to `None` (no such limit).
     pub fn max_consecutive_overloads(mut self, n: Option<u32>) -> Self {
         self.max_consecutive_overloads = n;
         self
@@ -328,8 +330,11 @@ impl RetryPolicy {
     }
 
     /// A total time budget for one logical request, from the call: no attempt starts after
-    /// it, a retry whose sleep would reach it is not made, and the head timeout of the last
-    /// attempt is cut to what remains. Defaults to none.
+    /// it, a retry whose sleep would reach it is not made, the head timeout of the last
+    /// attempt is cut to what remains, and the loop's read of the start of an answer (an
+    /// error body, an event stream before its first output) ends at it with
+    /// [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded). A body handed to
+    /// the caller is the caller's: the deadline no longer applies to it. Defaults to none.
     pub fn deadline(mut self, d: Option<Duration>) -> Self {
         self.deadline = d;
         self

@@ -144,6 +144,19 @@ impl StreamCommitted {
 #[non_exhaustive]
 pub struct OutputTruncated;
 
+/// Whether a response is an event stream: its media type is `text/event-stream`, in any case
+/// (media types are case-insensitive), with or without parameters.
+pub(crate) fn is_event_stream(head: &http::response::Parts) -> bool {
+    head.headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("text/event-stream"))
+        })
+}
+
 /// Whether a buffered JSON response body stopped at the output limit.
 pub(crate) fn output_truncated(body: &[u8]) -> bool {
     #[derive(Deserialize)]
@@ -183,5 +196,27 @@ mod tests {
         ));
         assert!(!output_truncated(br#"{"stop_reason":"end_turn"}"#));
         assert!(!output_truncated(b"not json"));
+    }
+
+    #[test]
+    fn event_streams_in_any_case_with_parameters() {
+        let head = |ct: Option<&str>| {
+            let mut b = http::Response::builder();
+            if let Some(ct) = ct {
+                b = b.header(http::header::CONTENT_TYPE, ct);
+            }
+            b.body(()).unwrap().into_parts().0
+        };
+        for yes in [
+            "text/event-stream",
+            "Text/Event-Stream",
+            " text/event-stream ; charset=utf-8",
+        ] {
+            assert!(is_event_stream(&head(Some(yes))), "{yes}");
+        }
+        for no in ["text/event-streams", "application/json", "text/plain"] {
+            assert!(!is_event_stream(&head(Some(no))), "{no}");
+        }
+        assert!(!is_event_stream(&head(None)));
     }
 }

@@ -150,6 +150,12 @@ impl StreamScan {
         }
     }
 
+    /// Whether the verdict is in: the terminal event came, or the stream could not be
+    /// followed. Until then a clean end may still be a cut.
+    pub(crate) fn settled(&self) -> bool {
+        self.lost || self.finished
+    }
+
     /// At a clean end of the body: the error to raise, when the stream spoke a known protocol
     /// and its terminal event never came.
     pub(crate) fn end(&mut self, delivered: u64) -> Option<IncompleteStream> {

@@ -126,6 +126,23 @@ async fn should_retry_true_retries_a_400() {
     assert_eq!(trail.unwrap().attempts()[0].class, FailureClass::Client);
 }
 
+/// A number of seconds too large for a `Duration` is still a wait above the ceiling, not no
+/// wait at all: the response is returned, as for any other.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_too_large_to_hold_is_above_the_ceiling() {
+    for value in ["99999999999999999999", "99999999999999999999999999999999"] {
+        let (server, _recorder, res, trail) = run(Script::new()
+            .then(Reply::rate_limited(value))
+            .then(Reply::success()))
+        .await;
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS, "{value}");
+        assert_eq!(server.request_count(), 1, "{value}");
+        let trail = trail.unwrap();
+        assert_eq!(trail.gave_up(), Some(GiveUpReason::RetryAfterTooLong));
+        assert_eq!(trail.attempts()[0].retry_after, Some(Duration::MAX));
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_above_the_ceiling_returns_the_response() {
     let (server, recorder, res, trail) = run(Script::new()

@@ -1,5 +1,6 @@
 //! The request deadline (`RetryPolicy::deadline`) caps every wait of the retry loop: at the
-//! cooldown gate, in the pacing line, for the inner service to be ready, and the backoff. No
+//! cooldown gate, in the pacing line, for the inner service to be ready, the backoff, and the
+//! read of the start of an answer before it is judged. No
 //! attempt starts after it; a request that cannot start in time ends with
 //! `ErrorKind::DeadlineExceeded` and its trail. Real HTTP on 127.0.0.1, paused time.
 
@@ -298,4 +299,48 @@ async fn cancellation_ends_a_wait_for_the_service_to_be_ready() {
     assert_eq!(at - start, Duration::from_secs(3));
     assert_eq!(err.trail().unwrap().total_attempts(), 1);
     assert_eq!(server.request_count(), 1);
+}
+
+/// The loop reads the start of some answers before judging them: an error body, an event
+/// stream up to its first output. A body that stalls there ends the request at its deadline,
+/// not at the (much later) idle timeout, and the trail keeps the attempt it was reading.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_stalls_while_the_loop_reads_it_ends_at_the_deadline() {
+    use tower_llm_retry::mock::SseFrame;
+    use tower_llm_retry::FailureClass;
+    let cases = [
+        (
+            Reply::stall_mid_body(503, "{\"type\":"),
+            FailureClass::Server,
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (
+            Reply::sse_then_stall(vec![SseFrame::new(
+                "message_start",
+                r#"{"type":"message_start","message":{}}"#,
+            )]),
+            FailureClass::Timeout,
+            StatusCode::OK,
+        ),
+    ];
+    for (reply, class, status) in cases {
+        let server = MockServer::start(Script::always(reply)).await.unwrap();
+        let svc = ServiceBuilder::new()
+            .layer(RetryLayer::new().policy(with_deadline(10)))
+            .service(http_client());
+        let start = Instant::now();
+        let err = tokio::time::timeout(
+            Duration::from_secs(3600),
+            svc.oneshot(anthropic_request(&server.url("/v1/messages"), BODY)),
+        )
+        .await
+        .expect("the deadline ends the read")
+        .unwrap_err();
+        assert_eq!(Instant::now() - start, Duration::from_secs(10), "{class:?}");
+        assert_deadline_error(&err, Duration::from_secs(10), 1);
+        let record = &err.trail().unwrap().attempts()[0];
+        assert_eq!(record.class, class);
+        assert_eq!(record.status, Some(status));
+        assert_eq!(server.request_count(), 1);
+    }
 }

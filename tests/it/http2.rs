@@ -249,6 +249,58 @@ async fn an_in_band_sse_error_before_output_is_retried() {
     }
 }
 
+/// HTTP/2 says a body has ended once its last `DATA` frame carried `END_STREAM`, before the
+/// next poll. A stream cut cleanly before its terminal event must still not report its end
+/// early: `is_end_stream()` true means the next poll is `None` (hyper, and the proxy on it,
+/// end the response there and the cut would never reach the caller).
+#[tokio::test(start_paused = true)]
+async fn a_clean_cut_over_http2_never_reports_its_end_before_the_error() {
+    use http_body::Body as _;
+    use http_body_util::BodyExt as _;
+    let cut = vec![
+        SseFrame::new("message_start", r#"{"type":"message_start"}"#),
+        SseFrame::new("content_block_delta", r#"{"type":"content_block_delta"}"#),
+    ];
+    for wire in [Wire::H2Tls, Wire::H2c] {
+        for gate in [true, false] {
+            let (server, client) = serve(wire, Script::always(Reply::sse(cut.clone()))).await;
+            let svc = ServiceBuilder::new()
+                .layer(RetryLayer::new().policy(exact_policy()).sse_gate(gate))
+                .service(client);
+            let res = svc
+                .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+                .await
+                .unwrap();
+            assert_eq!(res.version(), Version::HTTP_2);
+            let mut body = res.into_body();
+            let mut bytes = Vec::new();
+            let err = loop {
+                let said_end = body.is_end_stream();
+                match body.frame().await {
+                    Some(Ok(frame)) => {
+                        assert!(!said_end, "{wire:?} gate {gate}: a frame after the end");
+                        if let Ok(data) = frame.into_data() {
+                            bytes.extend_from_slice(&data);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        assert!(!said_end, "{wire:?} gate {gate}: an error after the end");
+                        break e;
+                    }
+                    None => panic!("{wire:?} gate {gate}: the cut ended cleanly"),
+                }
+            };
+            assert_eq!(
+                err.kind(),
+                ErrorKind::IncompleteStream,
+                "{wire:?} gate {gate}"
+            );
+            assert_eq!(sha256(&bytes), sha256(&concat(&cut)));
+            assert_eq!(server.request_count(), 1);
+        }
+    }
+}
+
 /// A request the caller marked not replay-safe.
 fn unsafe_request(server: &MockServer) -> http::Request<Full<Bytes>> {
     let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
@@ -473,4 +525,84 @@ async fn hyper_utils_own_re_send_does_not_double_count_a_refused_stream() {
     assert_eq!(trail.total_attempts(), 2);
     assert_eq!(trail.attempts()[0].class, FailureClass::NotProcessed);
     assert_eq!(server.request_count(), 3);
+}
+
+/// A re-send HTTP/2 proved never processed is the same attempt: it does not pay into the
+/// fleet's budget a second time.
+#[tokio::test(start_paused = true)]
+async fn a_proofs_re_send_pays_into_the_budget_once() {
+    let (server, client) = serve(
+        Wire::H2c,
+        Script::new()
+            .then(Reply::refused_stream())
+            .then(Reply::success()),
+    )
+    .await;
+    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(exact_policy())
+                .fleet(fleet.clone()),
+        )
+        .service(client);
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(server.request_count(), 2);
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!(stats.first_attempts, 1, "{stats:?}");
+    assert_eq!(stats.retries, 0, "{stats:?}");
+}
+
+/// ... and goes out at once: a cooldown gate another request closed while this attempt was
+/// in flight does not hold it.
+#[tokio::test(start_paused = true)]
+async fn a_proofs_re_send_is_not_held_at_a_gate_closed_meanwhile() {
+    let (server, client) = serve(
+        Wire::H2c,
+        Script::new()
+            .then(Reply::refused_stream().delay(Duration::from_secs(1)))
+            .then(Reply::rate_limited("30"))
+            .otherwise(Reply::success()),
+    )
+    .await;
+    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(exact_policy())
+                .fleet(fleet.clone()),
+        )
+        .service(client);
+    let start = Instant::now();
+    let a = {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tokio::spawn(async move { svc.oneshot(req).await.map(|r| r.status()) })
+    };
+    while server.request_count() < 1 {
+        tokio::task::yield_now().await;
+    }
+    // The second request's 429 closes the gate for 30 s, at once.
+    let b = {
+        let svc = svc.clone();
+        let req = anthropic_request(&server.url("/v1/messages"), BODY);
+        tokio::spawn(async move { svc.oneshot(req).await.map(|r| r.status()) })
+    };
+    while fleet.gate_closed_until().is_none() {
+        tokio::task::yield_now().await;
+    }
+    assert!(Instant::now() - start < Duration::from_secs(1));
+    assert_eq!(a.await.unwrap().unwrap(), StatusCode::OK);
+    // Refused at 1 s and re-sent at once, under the closed gate.
+    assert_eq!(Instant::now() - start, Duration::from_secs(1));
+    let seen = server.requests();
+    assert_eq!(
+        seen[2].received_at - seen[0].received_at,
+        Duration::from_secs(1)
+    );
+    b.abort();
 }

@@ -477,3 +477,35 @@ async fn consecutive_overload_limit_stops_early() {
         Some(GiveUpReason::MaxConsecutiveOverloads)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_consecutive_overload_limit_of_zero_stops_only_overloads() {
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::status(503))
+            .then(Reply::status(503))
+            .then(Reply::overloaded())
+            .then(Reply::success()),
+    )
+    .await
+    .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new().policy(
+                RetryPolicy::default()
+                    .jitter(Jitter::none())
+                    .max_consecutive_overloads(Some(0)),
+            ),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    // The two 503s are retried; the overload is not.
+    assert_eq!(res.status().as_u16(), 529);
+    assert_eq!(server.request_count(), 3);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxConsecutiveOverloads));
+    assert_eq!(trail.total_attempts(), 3);
+}

@@ -191,3 +191,73 @@ async fn an_unreachable_upstream_is_a_502_in_the_envelope_after_the_retries() {
     assert_eq!(res.status(), 502);
     openai_envelope(&json(res).await, "server_error");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_body_is_a_408_and_gives_its_slot_back() {
+    let h = start_with(Script::always(Reply::success()), |c| {
+        c.max_concurrent_requests = 1;
+    })
+    .await;
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nanthropic-version: 2023-06-01\r\n\
+          content-length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .unwrap();
+    let started = tokio::time::Instant::now();
+    // The answer comes once the body has gone 30 s without a byte; the proxy then closes
+    // the connection (the rest of that body will not be read).
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3600), s.read_to_end(&mut out))
+        .await
+        .expect("a stalled body is answered")
+        .unwrap();
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    let answer = String::from_utf8_lossy(&out);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("x-llm-retry-error: body_timeout"),
+        "{answer}"
+    );
+    assert!(answer.contains("x-should-retry: true"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    anthropic_envelope(&v, "invalid_request_error");
+    // The one slot is free again, and nothing went upstream for the stalled request.
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+    assert_eq!(h.mock.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_sends_no_request_is_closed() {
+    let h = start(Script::always(Reply::success())).await;
+    // Nothing at all, and half of HTTP/2's preface: both closed at the header timeout.
+    for first in [&b""[..], b"PRI * HTTP/2.0\r\n"] {
+        let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+        s.write_all(first).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(3600), s.read(&mut buf))
+            .await
+            .expect("the proxy closes a silent connection")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "{:?}", &buf[..n]);
+        assert_eq!(started.elapsed(), Duration::from_secs(30));
+    }
+    // A connection that made a request is left to the protocol's own timeouts: it is still
+    // open, and serves a second request, long after.
+    let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    s.write_all(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+}

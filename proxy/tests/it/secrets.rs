@@ -89,6 +89,7 @@ fn check_config_prints_the_resolved_config_masked() {
         .args(["--check-config", "--config"])
         .arg(&good)
         .env("LLM_RETRY_PROXY_UPSTREAM_ANTHROPIC_MAX_RETRIES", "4")
+        .env("SOME_KEYS", "sk-held-SECRET")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -120,5 +121,31 @@ fn check_config_prints_the_resolved_config_masked() {
         stderr.contains("bad.toml") && stderr.contains("retries"),
         "{stderr}"
     );
+
+    // What only the start of the server used to find, `--check-config` finds too: a key
+    // variable that is not set, a CA file that is not there.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
+        .args(["--check-config", "--config"])
+        .arg(&good)
+        .env_remove("SOME_KEYS")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("SOME_KEYS"), "{stderr}");
+    let no_ca = dir.join("no_ca.toml");
+    std::fs::write(
+        &no_ca,
+        "[[upstream]]\nname = \"a\"\nurl = \"https://x\"\nca_file = \"not-there.pem\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
+        .args(["--check-config", "--config"])
+        .arg(&no_ca)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("ca_file"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }

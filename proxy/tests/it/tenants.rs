@@ -137,3 +137,23 @@ async fn a_proxy_holding_keys_requires_its_client_token() {
     assert!(!m.contains("sk-held") && !m.contains("the-token"));
     let _ = std::fs::remove_file(&file);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_azure_api_key_names_its_own_tenant() {
+    let h = start(Script::always(Reply::success())).await;
+    for key in ["az-1", "az-2", "az-1"] {
+        let req = Request::post(h.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("api-key", key)
+            .body(Full::from(
+                r#"{"model":"gpt-4o","messages":[{"role":"user","content":"Hi"}]}"#,
+            ))
+            .unwrap();
+        assert_eq!(h.send(req).await.status(), 200);
+    }
+    // Two keys, two stacks: neither's budget or gate is the other's.
+    assert_eq!(h.proxy.tenant_count(), 2);
+    let seen = h.mock.requests();
+    let keys: Vec<_> = seen.iter().map(|r| r.headers["api-key"].clone()).collect();
+    assert_eq!(keys, ["az-1", "az-2", "az-1"]);
+}
