@@ -527,6 +527,15 @@ async fn hyper_utils_own_re_send_does_not_double_count_a_refused_stream() {
     assert_eq!(server.request_count(), 3);
 }
 
+/// The layer over `client` with a fleet of one scope, and the fleet to read.
+fn with_fleet(client: Https) -> (tower_llm_retry::Fleet, tower_llm_retry::Retry<Https>) {
+    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
+    let layer = RetryLayer::new()
+        .policy(exact_policy())
+        .fleet(fleet.clone());
+    (fleet, ServiceBuilder::new().layer(layer).service(client))
+}
+
 /// A re-send HTTP/2 proved never processed is the same attempt: it does not pay into the
 /// fleet's budget a second time.
 #[tokio::test(start_paused = true)]
@@ -538,14 +547,7 @@ async fn a_proofs_re_send_pays_into_the_budget_once() {
             .then(Reply::success()),
     )
     .await;
-    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
-    let svc = ServiceBuilder::new()
-        .layer(
-            RetryLayer::new()
-                .policy(exact_policy())
-                .fleet(fleet.clone()),
-        )
-        .service(client);
+    let (fleet, svc) = with_fleet(client);
     let res = svc
         .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
         .await
@@ -569,14 +571,7 @@ async fn a_proofs_re_send_is_not_held_at_a_gate_closed_meanwhile() {
             .otherwise(Reply::success()),
     )
     .await;
-    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
-    let svc = ServiceBuilder::new()
-        .layer(
-            RetryLayer::new()
-                .policy(exact_policy())
-                .fleet(fleet.clone()),
-        )
-        .service(client);
+    let (fleet, svc) = with_fleet(client);
     let start = Instant::now();
     let a = {
         let svc = svc.clone();

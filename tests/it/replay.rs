@@ -452,24 +452,28 @@ async fn inner_layers_see_the_attempt_context() {
     );
 }
 
+/// One request to `server` under exact backoffs and a consecutive overload limit.
+async fn with_overload_limit(
+    limit: u32,
+    server: &MockServer,
+) -> http::Response<tower_llm_retry::RetryBody<hyper::body::Incoming>> {
+    let policy = RetryPolicy::default()
+        .jitter(Jitter::none())
+        .max_consecutive_overloads(Some(limit));
+    ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy))
+        .service(http_client())
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap()
+}
+
 #[tokio::test(start_paused = true)]
 async fn consecutive_overload_limit_stops_early() {
     let server = MockServer::start(Script::always(Reply::overloaded()))
         .await
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(
-            RetryLayer::new().policy(
-                RetryPolicy::default()
-                    .jitter(Jitter::none())
-                    .max_consecutive_overloads(Some(3)),
-            ),
-        )
-        .service(http_client());
-    let res = svc
-        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-        .await
-        .unwrap();
+    let res = with_overload_limit(3, &server).await;
     assert_eq!(res.status().as_u16(), 529);
     assert_eq!(server.request_count(), 3);
     assert_eq!(
@@ -489,19 +493,7 @@ async fn a_consecutive_overload_limit_of_zero_stops_only_overloads() {
     )
     .await
     .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(
-            RetryLayer::new().policy(
-                RetryPolicy::default()
-                    .jitter(Jitter::none())
-                    .max_consecutive_overloads(Some(0)),
-            ),
-        )
-        .service(http_client());
-    let res = svc
-        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-        .await
-        .unwrap();
+    let res = with_overload_limit(0, &server).await;
     // The two 503s are retried; the overload is not.
     assert_eq!(res.status().as_u16(), 529);
     assert_eq!(server.request_count(), 3);

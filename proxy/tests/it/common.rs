@@ -97,6 +97,32 @@ pub async fn serve(mock: MockServer, config: Config) -> Harness {
     }
 }
 
+/// The proxy in front of a mock that speaks HTTPS and HTTP/2 only, trusted through a
+/// `ca_file` in a directory of the test's own (`tag` names it), which the caller removes.
+pub async fn behind_https_h2(script: Script, tag: &str) -> (Harness, std::path::PathBuf) {
+    let mock = MockServer::builder(script)
+        .tls(true)
+        .protocol(tower_llm_retry::mock::Protocol::Http2)
+        .start()
+        .await
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("llm-retry-proxy-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, mock.ca_cert_pem().unwrap()).unwrap();
+    let mut config = config_for(&mock);
+    // The certificate names `localhost`.
+    let url = mock
+        .url("")
+        .trim_end_matches('/')
+        .replace("127.0.0.1", "localhost");
+    for up in &mut config.upstream {
+        up.url = url.clone();
+        up.ca_file = Some(ca.clone());
+    }
+    (serve(mock, config).await, dir)
+}
+
 impl Harness {
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)

@@ -6,7 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, Version};
 use http_body_util::{BodyExt, Full};
-use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script, SseFrame};
+use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 
 use crate::common::*;
 
@@ -176,26 +176,7 @@ async fn sse_is_relayed_frame_by_frame_as_it_comes() {
 
 #[tokio::test(start_paused = true)]
 async fn https_and_http2_upstream() {
-    let mock = MockServer::builder(Script::always(Reply::success()))
-        .tls(true)
-        .protocol(Protocol::Http2)
-        .start()
-        .await
-        .unwrap();
-    let dir = std::env::temp_dir().join(format!("llm-retry-proxy-ca-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ca = dir.join("ca.pem");
-    std::fs::write(&ca, mock.ca_cert_pem().unwrap()).unwrap();
-    let mut config = config_for(&mock);
-    let url = mock
-        .url("")
-        .trim_end_matches('/')
-        .replace("127.0.0.1", "localhost");
-    for up in &mut config.upstream {
-        up.url = url.clone();
-        up.ca_file = Some(ca.clone());
-    }
-    let h = serve(mock, config).await;
+    let (h, dir) = behind_https_h2(Script::always(Reply::success()), "ca").await;
     let res = h.messages(MESSAGES).await;
     assert_eq!(res.status(), 200);
     let _ = json(res).await;

@@ -106,28 +106,8 @@ async fn a_clean_cut_after_output_reaches_an_sse_client_as_the_protocols_error_f
 /// the cut must still be found before the proxy ends its own response.
 #[tokio::test(start_paused = true)]
 async fn a_clean_cut_from_an_http2_upstream_is_also_the_error_frame_then_an_abort() {
-    use tower_llm_retry::mock::{MockServer, Protocol};
     let events = anthropic_partial();
-    let mock = MockServer::builder(Script::always(Reply::sse(events.clone())))
-        .tls(true)
-        .protocol(Protocol::Http2)
-        .start()
-        .await
-        .unwrap();
-    let dir = std::env::temp_dir().join(format!("llm-retry-proxy-cut-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ca = dir.join("ca.pem");
-    std::fs::write(&ca, mock.ca_cert_pem().unwrap()).unwrap();
-    let mut config = config_for(&mock);
-    let url = mock
-        .url("")
-        .trim_end_matches('/')
-        .replace("127.0.0.1", "localhost");
-    for up in &mut config.upstream {
-        up.url = url.clone();
-        up.ca_file = Some(ca.clone());
-    }
-    let h = serve(mock, config).await;
+    let (h, dir) = behind_https_h2(Script::always(Reply::sse(events.clone())), "cut").await;
     let (got, end) = cut(&h, "/v1/messages", MESSAGES_STREAM).await;
     assert_eq!(h.mock.requests()[0].version, http::Version::HTTP_2);
     let (event, data) = tail_event(&got, &concat(&events));
