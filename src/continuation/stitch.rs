@@ -208,10 +208,18 @@ fn stitch_openai(rounds: &[Bytes]) -> Option<Bytes> {
     let mut text = String::new();
     for body in rounds {
         let choices: Vec<Value> = json_edit::read_value(body, "choices")?;
-        let content = choices.first()?.pointer("/message/content")?.as_str()?;
-        text.push_str(content);
+        // A round that answered with a tool call or a refusal has `content: null`: no text of
+        // its own, and the earlier rounds' text is still the answer's.
+        match choices.first()?.pointer("/message/content") {
+            Some(Value::String(content)) => text.push_str(content),
+            Some(Value::Null) | None => {}
+            Some(_) => return None,
+        }
     }
     let last = rounds.last()?;
+    if text.is_empty() {
+        return Some(last.clone());
+    }
     let mut choices: Vec<Box<RawValue>> = json_edit::read_value(last, "choices")?;
     let choice = choices.first_mut()?;
     let message: Box<RawValue> = json_edit::read_value(choice.get().as_bytes(), "message")?;
@@ -376,5 +384,35 @@ mod tests {
             v["usage"]["completion_tokens_details"]["reasoning_tokens"],
             2
         );
+    }
+
+    #[test]
+    fn a_follow_up_with_null_content_keeps_the_earlier_text() {
+        let first = Bytes::from(
+            json!({"id":"c","object":"chat.completion","choices":[{"index":0,
+                "message":{"role":"assistant","content":"Hello, wor"},"finish_reason":"length"}],
+                "usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}})
+            .to_string(),
+        );
+        let tool_call = Bytes::from(
+            json!({"id":"c","object":"chat.completion","choices":[{"index":0,
+                "message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1",
+                "type":"function","function":{"name":"pay","arguments":"{}"}}]},
+                "finish_reason":"tool_calls"}],
+                "usage":{"prompt_tokens":20,"completion_tokens":5,"total_tokens":25}})
+            .to_string(),
+        );
+        let out = stitch(&[first.clone(), tool_call.clone()]).expect("stitched");
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        let message = &v["choices"][0]["message"];
+        assert_eq!(message["content"], "Hello, wor");
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "pay");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(v["usage"]["total_tokens"], 40);
+        // No round with text: the last round as it is, its usage summed.
+        let out = stitch(&[tool_call.clone(), tool_call]).expect("stitched");
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert!(v["choices"][0]["message"]["content"].is_null());
+        assert_eq!(v["usage"]["total_tokens"], 50);
     }
 }

@@ -24,7 +24,7 @@ use crate::json_edit;
 use crate::overflow::OverflowRepaired;
 use crate::pipeline::body::{IdleTimer, PeekHead};
 use crate::pipeline::{Asks, Carried, Failed, Inside, Judge, Judged};
-use crate::pipeline::{AttemptContext, HttpResponse, RetryBody};
+use crate::pipeline::{AtLevel, AttemptContext, HttpResponse, RetryBody};
 use crate::provider::error_body::{BodySignal, ErrorBody};
 
 use crate::pipeline::ResBodyOf;
@@ -145,8 +145,12 @@ where
                     Ok(res) => res.into_parts(),
                     Err(e) => {
                         let e = e.into();
-                        planner.failed_without_response(&*e);
-                        return Poll::Ready(Err(e));
+                        // The loop records where the attempt went, so the next one moves on
+                        // from there (a circuit may have sent it past its planned target).
+                        return Poll::Ready(Err(match planner.failed_without_response(&*e) {
+                            Some(level) => Box::new(AtLevel { level, error: e }),
+                            None => e,
+                        }));
                     }
                 };
                 let judge = planner.judge_for(&head);
@@ -670,13 +674,15 @@ impl Planner {
 
     /// The attempt failed before a response head: a transport failure of the target, for the
     /// failure trigger's circuit; an inner layer's own final error tells it nothing.
-    fn failed_without_response(&mut self, e: &(dyn std::error::Error + 'static)) {
-        let Some(plan) = self.plan.take() else { return };
+    /// Returns the level the attempt was sent at, when a plan sent it.
+    fn failed_without_response(&mut self, e: &(dyn std::error::Error + 'static)) -> Option<u32> {
+        let plan = self.plan.take()?;
         let final_error = e.downcast_ref::<Error>().is_some_and(Error::is_final);
         if !final_error {
             plan.verdict
                 .resolve(self.config.triggers.failures.is_some());
         }
+        Some(plan.level as u32)
     }
 
     /// Whether the body must be read to tell an overload that matters.

@@ -158,8 +158,9 @@ impl<S> Ctx<S> {
             base.get_max_retries()
         };
         let (max, replay_safe, tool_call) = match &call {
-            // Too large to read: it may be anything, so it is sent as if it mattered.
-            None => (base_max, false, false),
+            // Too large to read, or not readable: it may be anything, so it is sent as if it
+            // mattered.
+            None | Some(Call::Unreadable) => (base_max, false, false),
             Some(Call::Tools(names)) => {
                 let safe = names.iter().all(|n| self.annotations(n).is_replay_safe());
                 tracing::debug!(tools = ?names, replay_safe = safe, "MCP tools/call");

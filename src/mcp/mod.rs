@@ -11,7 +11,7 @@
 //! | `tools/call` of a tool whose annotations say `readOnlyHint` or `idempotentHint` | a per-request [`RetryPolicy`](crate::RetryPolicy) with `max_retries(1)` | retries it at most once |
 //! | `tools/call` of any other tool (destructive, not idempotent, unannotated, unknown) | [`NotReplaySafe`](crate::NotReplaySafe) | re-sends it only when nothing can have reached the server (connection refused) |
 //! | `initialize`, `tools/list`, `resources/read`, notifications, … | nothing | follows its ordinary policy |
-//! | a body too large to read | [`NotReplaySafe`](crate::NotReplaySafe) | sends it once |
+//! | a body too large to read, or one that does not read as JSON-RPC (malformed, cut, nested past the parser's depth) | [`NotReplaySafe`](crate::NotReplaySafe) | sends it once |
 //!
 //! In a batch, one call that is not replay-safe makes the whole batch so.
 //!

@@ -13,8 +13,12 @@ pub(crate) enum Call {
     Tools(Vec<String>),
     /// Some other method; `initialize` and `tools/list` are told apart.
     Other { initialize: bool, tools_list: bool },
-    /// Not JSON-RPC (a `GET` for the server's stream, a `DELETE`, an empty body).
+    /// Not a JSON-RPC request (a `GET` for the server's stream, a `DELETE`, an empty body, or
+    /// only responses to the server's own requests).
     NotRpc,
+    /// A body that does not read as JSON-RPC (malformed, or nested past what the parser
+    /// follows): it may hold any call, so it is sent as if it mattered.
+    Unreadable,
 }
 
 #[derive(Deserialize)]
@@ -22,7 +26,16 @@ struct Message<'a> {
     #[serde(borrow, default)]
     method: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    params: Option<Params<'a>>,
+    params: Option<AnyParams<'a>>,
+}
+
+/// JSON-RPC's `params` is an object or an array; only a `tools/call`'s object names a tool.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum AnyParams<'a> {
+    #[serde(borrow)]
+    Named(Params<'a>),
+    Positional(serde::de::IgnoredAny),
 }
 
 #[derive(Deserialize)]
@@ -40,10 +53,13 @@ enum OneOrBatch<'a> {
 }
 
 pub(crate) fn read_call(body: &[u8]) -> Call {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Call::NotRpc;
+    }
     let messages = match serde_json::from_slice::<OneOrBatch<'_>>(body) {
         Ok(OneOrBatch::One(m)) => vec![m],
         Ok(OneOrBatch::Batch(b)) => b,
-        Err(_) => return Call::NotRpc,
+        Err(_) => return Call::Unreadable,
     };
     let method = |m: &Message<'_>| m.method.as_deref().map(str::to_owned);
     if messages.iter().all(|m| m.method.is_none()) {
@@ -58,11 +74,11 @@ pub(crate) fn read_call(body: &[u8]) -> Call {
         let names = calls
             .iter()
             .map(|m| {
-                m.params
-                    .as_ref()
-                    .and_then(|p| p.name.as_deref())
-                    .unwrap_or_default()
-                    .to_owned()
+                match &m.params {
+                    Some(AnyParams::Named(p)) => p.name.as_deref().unwrap_or_default(),
+                    _ => "",
+                }
+                .to_owned()
             })
             .collect();
         return Call::Tools(names);
@@ -123,6 +139,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn positional_params_elsewhere_in_a_batch_do_not_hide_a_call() {
+        let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge_card","arguments":{}}},{"jsonrpc":"2.0","id":2,"method":"x/custom","params":[1,2]}]"#;
+        assert_eq!(read_call(batch), Call::Tools(vec!["charge_card".into()]));
+        let positional = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":[1]}"#;
+        assert_eq!(read_call(positional), Call::Tools(vec![String::new()]));
+    }
+
+    #[test]
+    fn a_body_that_does_not_read_is_unreadable_not_rpc_free() {
+        // Arguments nested past the parser's depth, garbage, a cut body: any of them may be a
+        // call, so none is taken for "not JSON-RPC".
+        let deep = format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"charge_card","arguments":{{"x":{}1{}}}}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        assert_eq!(read_call(deep.as_bytes()), Call::Unreadable);
+        assert_eq!(read_call(b"not json"), Call::Unreadable);
+        assert_eq!(
+            read_call(br#"{"jsonrpc":"2.0","id":1,"method":"tools/ca"#),
+            Call::Unreadable
+        );
+    }
+
+    #[test]
     fn reads_methods_and_tool_names() {
         let call = br#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"get_weather","arguments":{"city":"Oslo"}}}"#;
         assert_eq!(read_call(call), Call::Tools(vec!["get_weather".into()]));
@@ -139,6 +180,7 @@ mod tests {
         let unnamed = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#;
         assert_eq!(read_call(unnamed), Call::Tools(vec![String::new()]));
         assert_eq!(read_call(b""), Call::NotRpc);
+        assert_eq!(read_call(b" \r\n"), Call::NotRpc);
         assert_eq!(
             read_call(br#"{"jsonrpc":"2.0","id":1,"result":{}}"#),
             Call::NotRpc

@@ -96,6 +96,27 @@ pub struct AttemptContext {
     pub(crate) head_timeout: Option<Duration>,
 }
 
+/// An inner service's error, with how far down its fallback chain `ModelFallbackLayer` sent
+/// the attempt: what a response tells the loop in its `ModelUsed`, an error cannot. The loop
+/// takes the level and goes on with the error itself, so nothing outside the loop sees this.
+#[derive(Debug)]
+pub(crate) struct AtLevel {
+    pub(crate) level: u32,
+    pub(crate) error: crate::error::BoxError,
+}
+
+impl fmt::Display for AtLevel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl std::error::Error for AtLevel {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.error)
+    }
+}
+
 mod sealed {
     /// Splits an `http::Response` so the retry loop can name its body type.
     pub trait HttpResponse {

@@ -23,7 +23,9 @@ use crate::error::{
 };
 use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::pipeline::body::{IdleTimer, Peeked, Read, RetryBody};
-use crate::pipeline::{Asks, AttemptContext, Carried, Failed, HttpResponse, Judged, ResBodyOf};
+use crate::pipeline::{
+    Asks, AtLevel, AttemptContext, Carried, Failed, HttpResponse, Judged, ResBodyOf,
+};
 use crate::provider::error_body::ErrorBody;
 use crate::stream::{
     is_event_stream, CommitReason, OutputTruncated, ScanError, StreamCommitted, StreamScan,
@@ -448,6 +450,15 @@ where
                             Err(Box::new(TimedOut::new(TimeoutKind::Head, *armed_for)) as BoxError)
                         }
                     };
+                    // Where a fallback chain sent a failed attempt, as a response would have
+                    // said in its `ModelUsed`; the error goes on as the service raised it.
+                    let result = result.map_err(|e| match e.downcast::<AtLevel>() {
+                        Ok(at) => {
+                            ctx.served_level = Some(at.level);
+                            at.error
+                        }
+                        Err(e) => e,
+                    });
                     let span = std::mem::replace(span, Span::none());
                     match result {
                         Ok(res) if ctx.one_shot => {

@@ -901,3 +901,52 @@ async fn on_its_own_an_exhausted_quota_never_counts_against_the_circuit() {
     let models: Vec<String> = server.requests().iter().map(model_of).collect();
     assert_eq!(models, [PRIMARY, PRIMARY]);
 }
+
+/// A failure with no response (a reset) at a target a circuit skipped to counts where it
+/// happened: the next attempt moves on from there, not from the target it was planned for.
+#[tokio::test(start_paused = true)]
+async fn a_reset_at_a_target_skipped_to_moves_one_target_on_from_it() {
+    const THIRD: &str = "claude-haiku-4-5";
+    let resets = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = resets.clone();
+    let server = MockServer::start(Script::new().when(move |req| match model_of(req).as_str() {
+        PRIMARY => Some(Reply::status(503)),
+        // The first two requests' fallbacks answer; from the third request on it resets.
+        FALLBACK if r.fetch_add(1, Ordering::SeqCst) > 1 => Some(Reply::reset()),
+        _ => None,
+    }))
+    .await
+    .unwrap();
+    let layer = ModelFallbackLayer::new([PRIMARY, FALLBACK, THIRD])
+        .unwrap()
+        .after_failures(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(2).cooldown(Duration::from_secs(60)))
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy()))
+        .layer(layer.clone())
+        .service(http_client());
+    // Two requests open the primary's circuit (each: a 503 there, then the fallback answers).
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert!(!layer.circuit_states()[0].state.is_closed());
+    let before = server.requests().len();
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // Started on the fallback (the primary's circuit is open), reset there, then the third.
+    let models: Vec<String> = server.requests()[before..].iter().map(model_of).collect();
+    assert_eq!(models, [FALLBACK, THIRD]);
+    let used = res.extensions().get::<ModelUsed>().unwrap();
+    assert_eq!(used.model, THIRD);
+}

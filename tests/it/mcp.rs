@@ -90,6 +90,38 @@ async fn a_destructive_or_unannotated_call_reset_after_the_server_read_it_is_not
     }
 }
 
+/// A body the gate cannot read may hold any call: a destructive one hidden in a batch beside
+/// positional params, arguments nested past the parser's depth. Neither is re-sent after the
+/// server may have read it.
+#[tokio::test(start_paused = true)]
+async fn a_call_the_gate_cannot_read_plainly_is_not_resent() {
+    let server = MockServer::start(Script::always(Reply::reset()))
+        .await
+        .unwrap();
+    let svc = stack(
+        gate().tool("charge_card", ToolAnnotations::destructive()),
+        http_client(),
+    );
+    let batch = json!([call(1, "charge_card"),
+        {"jsonrpc": "2.0", "id": 2, "method": "x/custom", "params": [1, 2]}]);
+    let deep = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"charge_card","arguments":{{"x":{}1{}}}}}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let bodies = [Bytes::from(batch.to_string()), Bytes::from(deep)];
+    for (n, body) in bodies.into_iter().enumerate() {
+        let req = Request::post(server.url("/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(Full::new(body))
+            .unwrap();
+        let err = svc.clone().oneshot(req).await.unwrap_err();
+        assert_eq!(gave_up(&err), Some(GiveUpReason::NotReplaySafe), "body {n}");
+        assert_eq!(server.request_count(), n + 1, "body {n} was sent once");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_idempotent_call_is_resent_once_and_no_more() {
     let server = MockServer::start(Script::new().then(Reply::reset()).then(result(1)))
