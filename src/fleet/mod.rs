@@ -154,8 +154,12 @@
 //! Keys (one hash tag per scope, so the scripts stay legal on Redis Cluster):
 //! `{prefix}:{{scope}}:gate` (a hash: deadline and announced wait, on Redis's clock),
 //! `…:budget` (a hash of deposit and withdrawal counts per slot of the window),
-//! `…:procs` (a sorted set of live processes), `…:pace` (a hash: the schedule's next slot,
-//! rate, epoch); closings are published on `…:gate-closed`.
+//! `…:budget:flush:<process>` (the number and answer of a process's last budget flush: a
+//! flush whose answer was lost to the deadline is sent again under its number and counted
+//! once; it expires with the window), `…:procs` (a sorted set of live processes), `…:pace`
+//! (a hash: the schedule's next slot, rate, epoch, and the stated cap, which every
+//! reservation carries again so a lost schedule comes back capped); closings are published
+//! on `…:gate-closed`.
 //!
 #![cfg_attr(
     feature = "fleet-redis",
@@ -752,6 +756,13 @@ impl Fleet {
             if let Some(link) = &self.inner.redis {
                 link.deposit();
             }
+            return;
+        }
+        // No budget to count for: the link still starts on the first request's runtime (a
+        // fleet built outside one has no task yet to learn the others' closings).
+        #[cfg(feature = "fleet-redis")]
+        if let Some(link) = &self.inner.redis {
+            link.ensure_started();
         }
     }
 

@@ -280,6 +280,11 @@ return {now, tonumber(g[1]) or 0, tonumber(g[2]) or 0, n, rate or ''}
 /// up to `want` anew from what the window allows: `reserve + ratio × deposits −
 /// withdrawals`. Returns the grant and the slot it is counted in.
 const BUDGET: &str = r"
+local done = redis.call('GET', KEYS[2])
+if done then
+  local id, grant, cur = string.match(done, '^(%d+):(%d+):(%d+)$')
+  if id == ARGV[10] then return {tonumber(grant), tonumber(cur)} end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local slot_ms = tonumber(ARGV[1])
@@ -311,6 +316,7 @@ local balance = tonumber(ARGV[3]) + tonumber(ARGV[4]) * d - w
 local grant = math.max(0, math.min(tonumber(ARGV[8]), math.floor(balance)))
 if grant > 0 then redis.call('HINCRBY', KEYS[1], 'w' .. cur, grant) end
 redis.call('PEXPIRE', KEYS[1], slot_ms * slots * 2)
+redis.call('SET', KEYS[2], ARGV[10] .. ':' .. grant .. ':' .. cur, 'PX', slot_ms * slots * 2)
 return {grant, cur}
 ";
 
@@ -328,14 +334,19 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 ///
 /// The rate is learnt as in one process: while the schedule is booked ahead it doubles every
 /// second until the first refusal (slow start), then grows by `growth` per success reported;
-/// a stated limit caps it. Returns the epoch, the rate, when to ask again (µs; 0: nothing
-/// left) and, per attempt, a code (1 booked, 0 refused, 2 later) and the wait (µs).
+/// a stated limit caps it. The limit this process last saw stated (`ARGV[8]`, 0 for none)
+/// caps a schedule Redis no longer holds (restarted, flushed, expired after an idle hour),
+/// which the limit's own script, sent only when the limit changes, would not reach again.
+/// Returns the epoch, the rate, when to ask again (µs; 0: nothing left) and, per attempt, a
+/// code (1 booked, 0 refused, 2 later) and the wait (µs, from `ARGV[9]` on).
 const RESERVE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local h = redis.call('HMGET', KEYS[1], 'tat', 'rate', 'epoch', 'ss', 'cap', 'last')
 local max = tonumber(ARGV[3])
-local cap = tonumber(h[5]) or max
+local stated = tonumber(ARGV[8])
+if stated <= 0 then stated = nil end
+local cap = tonumber(h[5]) or stated or max
 local ceiling = math.min(cap, max)
 local tat = tonumber(h[1]) or now
 local rate = tonumber(h[2]) or math.min(tonumber(ARGV[1]), ceiling)
@@ -354,14 +365,14 @@ if tat < now then tat = now end
 local horizon = tonumber(ARGV[6])
 local procs = math.max(1, tonumber(ARGV[7]), redis.call('ZCARD', KEYS[2]))
 local share = math.max(1, math.ceil(horizon * rate / 1000 / procs))
-local n = #ARGV - 7
+local n = #ARGV - 8
 local out = {epoch, tostring(rate), 0}
 local booked = 0
 local ahead = tat
 for i = 1, n do
   local wait = ahead - now
   local code = 2
-  if wait > tonumber(ARGV[7 + i]) then
+  if wait > tonumber(ARGV[8 + i]) then
     code = 0
   elseif booked < share and wait <= horizon then
     code = 1
@@ -535,7 +546,7 @@ impl Link {
     }
 
     /// Starts the background task, once, as soon as there is a runtime to run it on.
-    fn ensure_started(&self) {
+    pub(crate) fn ensure_started(&self) {
         if self.started.get().is_some() {
             return;
         }
@@ -914,7 +925,8 @@ async fn reserve_slots(shared: Arc<Shared>) {
             .arg(config.get_growth())
             .arg(successes)
             .arg(ms(RESERVE_AHEAD))
-            .arg(shared.processes.load(Ordering::Relaxed).max(1));
+            .arg(shared.processes.load(Ordering::Relaxed).max(1))
+            .arg(f64::from_bits(shared.stated.load(Ordering::Acquire)));
         for w in &batch {
             inv.arg(w.give_up_at.saturating_duration_since(now).as_secs_f64() * 1e3);
         }
@@ -1029,6 +1041,21 @@ struct Task {
     next_poll: Instant,
     next_flush: Instant,
     last_flush: Instant,
+    /// A flush whose answer never came: Redis may have run it. It is sent again as it was,
+    /// under its number, before any other, and the script runs a number once.
+    in_doubt: Option<Flush>,
+    flushes: u64,
+}
+
+/// One flush of the budget: what it counts, and its number.
+#[derive(Debug, Clone, Copy)]
+struct Flush {
+    id: u64,
+    deposits: u64,
+    demand: u64,
+    debt: u64,
+    held: u64,
+    slot_of_held: i64,
 }
 
 /// Held by each background task: when one ends, however it ends (the fleet dropped, its
@@ -1081,6 +1108,8 @@ async fn run(shared: Arc<Shared>, source: Source) {
         next_poll: now,
         next_flush: now,
         last_flush: now,
+        in_doubt: None,
+        flushes: 0,
     };
     let mut messages: Option<redis::aio::PubSubStream> = None;
     let mut resubscribe_at = now;
@@ -1285,7 +1314,17 @@ impl Task {
                 .arg(c.initial())
                 .arg(c.get_max());
             called = true;
-            let rate: String = self.call(inv, conn).await?;
+            let rate: String = match self.call(inv, conn).await {
+                Ok(rate) => rate,
+                Err(()) => {
+                    // Sent again next round, unless a later refusal replaces it.
+                    let mut refusal = s.refusal.lock().unwrap_or_else(PoisonError::into_inner);
+                    if refusal.is_none_or(|e| epoch > e) {
+                        *refusal = Some(epoch);
+                    }
+                    return Err(());
+                }
+            };
             if let Ok(rate) = rate.parse::<f64>() {
                 s.learnt_rate(rate);
             }
@@ -1410,69 +1449,79 @@ impl Task {
     /// Flushes the first attempts counted and renews the grant. The grant stays spendable
     /// while the call is in flight; what was spent of it meanwhile is taken from the new
     /// grant, and what the new grant cannot cover is counted at the next flush.
+    ///
+    /// A call that gets no answer in time may still run in Redis: it is not counted again
+    /// with the next, but sent again as it was, under its number, which the script applies
+    /// once (and answers again with what it granted then).
     async fn flush(&mut self, conn: &mut ConnectionManager) -> Result<(), ()> {
         let s = self.shared.clone();
         let Some(config) = s.budget else {
             return Ok(());
         };
-        let deposits = s.deposits.swap(0, Ordering::AcqRel);
-        let demand = s.demand.swap(0, Ordering::AcqRel);
-        let debt = s.debt.swap(0, Ordering::AcqRel);
-        let held = s.granted.load(Ordering::Acquire);
-        let slot_of_held = s.granted_slot.load(Ordering::Acquire);
-        let want = (demand * 2).clamp(MIN_GRANT, MAX_GRANT);
+        let flush = match self.in_doubt {
+            Some(flush) => flush,
+            None => {
+                self.flushes += 1;
+                Flush {
+                    id: self.flushes,
+                    deposits: s.deposits.swap(0, Ordering::AcqRel),
+                    demand: s.demand.swap(0, Ordering::AcqRel),
+                    debt: s.debt.swap(0, Ordering::AcqRel),
+                    held: s.granted.load(Ordering::Acquire),
+                    slot_of_held: s.granted_slot.load(Ordering::Acquire),
+                }
+            }
+        };
+        let want = (flush.demand * 2).clamp(MIN_GRANT, MAX_GRANT);
         let slot_ms = (ms(config.ttl()) / 10).max(1);
         let reserve = f64::from(config.min_per_sec()) * config.ttl().as_secs_f64();
         let mut inv = self.budget.prepare_invoke();
         inv.key(&s.keys.budget)
+            .key(format!("{}:flush:{}", s.keys.budget, s.process))
             .arg(slot_ms)
             .arg(10)
             .arg(reserve)
             .arg(f64::from(config.retry_ratio()))
-            .arg(deposits)
-            .arg(held)
-            .arg(slot_of_held)
+            .arg(flush.deposits)
+            .arg(flush.held)
+            .arg(flush.slot_of_held)
             .arg(want)
-            .arg(debt);
+            .arg(flush.debt)
+            .arg(flush.id);
         let result: Result<(i64, i64), ()> = self.call(inv, conn).await;
         self.next_flush = Instant::now() + s.flush_interval;
         self.last_flush = Instant::now();
-        match result {
-            Ok((grant, slot)) => {
-                let grant = u64::try_from(grant).unwrap_or(0);
-                // Redis took back `held` and granted `grant`: this process holds `grant` less
-                // what it spent of `held` meanwhile (already gone from `granted`).
-                let mut now = s.granted.load(Ordering::Acquire);
-                let shortfall = loop {
-                    let target = now + grant;
-                    let (next, short) = if target >= held {
-                        (target - held, 0)
-                    } else {
-                        (0, held - target)
-                    };
-                    match s
-                        .granted
-                        .compare_exchange(now, next, Ordering::AcqRel, Ordering::Acquire)
-                    {
-                        Ok(_) => break short,
-                        Err(actual) => now = actual,
-                    }
-                };
-                if shortfall > 0 {
-                    s.debt.fetch_add(shortfall, Ordering::AcqRel);
-                }
-                s.granted_slot.store(slot, Ordering::Release);
-                Ok(())
+        let Ok((grant, slot)) = result else {
+            // Counted or not, Redis knows which: the same flush goes again.
+            self.in_doubt = Some(flush);
+            return Err(());
+        };
+        self.in_doubt = None;
+        let grant = u64::try_from(grant).unwrap_or(0);
+        let held = flush.held;
+        // Redis took back `held` and granted `grant`: this process holds `grant` less what it
+        // spent of `held` meanwhile (already gone from `granted`).
+        let mut now = s.granted.load(Ordering::Acquire);
+        let shortfall = loop {
+            let target = now + grant;
+            let (next, short) = if target >= held {
+                (target - held, 0)
+            } else {
+                (0, held - target)
+            };
+            match s
+                .granted
+                .compare_exchange(now, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break short,
+                Err(actual) => now = actual,
             }
-            Err(()) => {
-                // Nothing was counted: all of it waits for the next flush; the grant held is
-                // still this process's.
-                s.deposits.fetch_add(deposits, Ordering::AcqRel);
-                s.demand.fetch_add(demand, Ordering::AcqRel);
-                s.debt.fetch_add(debt, Ordering::AcqRel);
-                Err(())
-            }
+        };
+        if shortfall > 0 {
+            s.debt.fetch_add(shortfall, Ordering::AcqRel);
         }
+        s.granted_slot.store(slot, Ordering::Release);
+        Ok(())
     }
 }
 

@@ -1024,12 +1024,27 @@ async fn every_script_runs_on_a_single_node_cluster_without_crossslot_and_coordi
         field("eval", "failed_calls") + field("eval", "rejected_calls"),
         0
     );
-    let keys = match redis.command(&["KEYS", "*"]) {
-        redis::Value::Array(keys) => keys.len(),
+    let keys: Vec<String> = match redis.command(&["KEYS", "*"]) {
+        redis::Value::Array(keys) => keys
+            .into_iter()
+            .map(|k| match k {
+                redis::Value::BulkString(b) => String::from_utf8(b).unwrap(),
+                other => panic!("{other:?}"),
+            })
+            .collect(),
         other => panic!("{other:?}"),
     };
-    // The gate, the budget, the processes and the schedule.
-    assert_eq!(keys, 4);
+    // The gate, the budget, the processes and the schedule; and each process's last budget
+    // flush, which expires with the budget's window.
+    let (flushes, shared): (Vec<_>, Vec<_>) = keys.iter().partition(|k| k.contains(":flush:"));
+    assert_eq!(shared.len(), 4, "{keys:?}");
+    assert!(!flushes.is_empty(), "{keys:?}");
+    for key in flushes {
+        match redis.command(&["PTTL", key]) {
+            redis::Value::Int(ms) => assert!(ms > 0, "{key} has no expiry"),
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 /// A fleet started on one runtime that has since shut down (a fleet in a `static`, built in a
@@ -1087,4 +1102,185 @@ fn a_fleet_whose_runtime_shut_down_paces_locally_and_hangs_nothing() {
             fleet.redis_state()
         );
     });
+}
+
+/// A budget flush that misses its 50 ms deadline may still run in Redis: sent again under its
+/// number, it is counted once.
+#[tokio::test]
+async fn a_flush_that_times_out_but_runs_is_counted_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let store = store(&redis);
+    let budget_key = store.key_names()[1].clone();
+    let fleet = Fleet::builder().redis(store).build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let svc = stack(&fleet, policy());
+    // Redis stalls (a slow command, a fork, a failover) for 120 ms...
+    redis.command(&["CLIENT", "PAUSE", "120", "ALL"]);
+    // ...while 10 first attempts are made (they never touch Redis).
+    let calls = (0..10).map(|_| {
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    });
+    for res in futures_util::future::join_all(calls).await {
+        assert_eq!(res.unwrap().status(), StatusCode::OK);
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let deposits: i64 = match redis.command(&["HGETALL", &budget_key]) {
+        redis::Value::Array(v) => v
+            .chunks(2)
+            .filter_map(|c| match (&c[0], &c[1]) {
+                (redis::Value::BulkString(f), redis::Value::BulkString(n)) if f[0] == b'd' => {
+                    std::str::from_utf8(n).ok()?.parse::<i64>().ok()
+                }
+                _ => None,
+            })
+            .sum(),
+        redis::Value::Map(v) => v
+            .iter()
+            .filter_map(|(f, n)| match (f, n) {
+                (redis::Value::BulkString(f), redis::Value::BulkString(n)) if f[0] == b'd' => {
+                    std::str::from_utf8(n).ok()?.parse::<i64>().ok()
+                }
+                _ => None,
+            })
+            .sum(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(fleet.budget_stats().unwrap().first_attempts, 10);
+    assert_eq!(
+        deposits, 10,
+        "the fleet's window counts {deposits} first attempts"
+    );
+}
+
+/// A refusal whose script misses its deadline is sent again: the fleet's shared rate still
+/// decreases for it.
+#[tokio::test]
+async fn a_refusal_reported_during_a_redis_stall_still_slows_the_fleet() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(
+        Script::new().then(Reply::rate_limited("0").delay(Duration::from_millis(150))),
+    )
+    .await
+    .unwrap();
+    let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .rates(10.0, 1.0, 10.0)
+        .unwrap()
+        .decrease(0.5)
+        .unwrap();
+    let fleet = Fleet::builder()
+        .budget(None)
+        .pacing(Some(pacing))
+        .redis(store(&redis))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy().max_retries(0));
+    let req = anthropic_request(&server.url("/v1/messages"), BODY);
+    let call = tokio::spawn(async move { svc.oneshot(req).await.unwrap() });
+    // The slot is reserved at once; Redis stalls while the 429 is on its way.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    redis.command(&["CLIENT", "PAUSE", "200", "ALL"]);
+    assert_eq!(call.await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+    let slowed = within(Duration::from_millis(2_500), || {
+        fleet.pace().is_some_and(|p| p < 6.0)
+    })
+    .await;
+    assert!(
+        slowed.is_some(),
+        "pace {:?}, {:?}",
+        fleet.pace(),
+        fleet.redis_state()
+    );
+}
+
+/// A fleet with no budget, built outside a runtime, starts its link on the first request's
+/// runtime, and learns the other processes' closings.
+#[test]
+fn a_gate_only_fleet_built_outside_a_runtime_starts_on_its_first_request() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let fleet = Fleet::builder()
+        .budget(None)
+        .cooldown_gate(Some(gate()))
+        .redis(store(&redis))
+        .build();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let server = MockServer::start(Script::always(Reply::success()))
+            .await
+            .unwrap();
+        let res = stack(&fleet, policy())
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        // Another process closes the gate.
+        let other = Fleet::builder()
+            .budget(None)
+            .cooldown_gate(Some(gate()))
+            .redis(store(&redis))
+            .build();
+        all_connected(std::slice::from_ref(&other)).await;
+        let learnt = close_through(&other, &fleet, "5").await;
+        assert!(learnt.is_some(), "never learnt: {:?}", fleet.redis_state());
+    });
+}
+
+/// A stated limit caps the shared schedule again after its key was lost (Redis restarted,
+/// flushed, or the key expired after an idle hour), though the limit itself did not change.
+#[tokio::test]
+async fn the_stated_limit_caps_the_shared_schedule_again_after_its_key_was_lost() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let server = MockServer::start(Script::always(
+        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
+    ))
+    .await
+    .unwrap();
+    let fleet = Fleet::builder()
+        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .redis(patient(store(&redis)))
+        .build();
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy());
+    let one = || {
+        svc.clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+    };
+    assert_eq!(one().await.unwrap().status(), StatusCode::OK);
+    let cap = within(Duration::from_millis(1_500), || fleet.pace() == Some(20.0));
+    assert!(cap.await.is_some(), "{:?}", fleet.pace());
+    // The keys are lost; every answer still states 1,200 a minute.
+    redis.command(&["FLUSHALL"]);
+    assert_eq!(one().await.unwrap().status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let before = server.request_count();
+    let start = Instant::now();
+    let calls = (0..24).map(|_| one());
+    for res in futures_util::future::join_all(calls).await {
+        assert_eq!(res.unwrap().status(), StatusCode::OK);
+    }
+    let mut at: Vec<Duration> = server.requests()[before..]
+        .iter()
+        .map(|r| r.received_at - start)
+        .collect();
+    at.sort();
+    let span = *at.last().unwrap() - at[0];
+    // 24 at 20 a second take 1.15 s.
+    assert!(
+        span >= Duration::from_millis(1_050),
+        "24 requests in {span:?}; the fleet's pace is {:?}",
+        fleet.pace()
+    );
 }
