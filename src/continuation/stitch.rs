@@ -42,10 +42,18 @@ pub(crate) fn read_round(body: &[u8]) -> Option<Round> {
             .iter()
             .rev()
             .find(|b| kind(b).is_some_and(|k| ANTHROPIC_TOOL_BLOCKS.contains(&k.as_str())));
-        let tool_call = tool.filter(|_| at_limit).map(|b| TruncatedToolCall {
-            name: b.get("name").and_then(Value::as_str).map(str::to_owned),
-            id: b.get("id").and_then(Value::as_str).map(str::to_owned),
-        });
+        // Cut inside a tool call only when the call is the last block: a complete one
+        // followed by text cut at the limit is whole.
+        let last_is_tool = blocks
+            .last()
+            .and_then(kind)
+            .is_some_and(|k| ANTHROPIC_TOOL_BLOCKS.contains(&k.as_str()));
+        let tool_call = tool
+            .filter(|_| at_limit && last_is_tool)
+            .map(|b| TruncatedToolCall {
+                name: b.get("name").and_then(Value::as_str).map(str::to_owned),
+                id: b.get("id").and_then(Value::as_str).map(str::to_owned),
+            });
         let ends_in_text = blocks.last().and_then(kind).as_deref() == Some("text");
         let continuable = at_limit && tool.is_none() && ends_in_text && !text.is_empty();
         return Some(Round {
@@ -326,6 +334,12 @@ mod tests {
                 id: Some("toolu_1".into())
             })
         );
+        // A whole tool call, then text cut at the limit: no tool call was cut, and with a
+        // tool call in it the answer is not continued with text either.
+        let after = json!({"content":[{"type":"tool_use","id":"toolu_1","name":"rm","input":{}},
+            {"type":"text","text":"Done, and now"}],"stop_reason":"max_tokens"});
+        let r = read_round(after.to_string().as_bytes()).unwrap();
+        assert!(r.at_limit && !r.continuable && r.tool_call.is_none());
         let thinking =
             json!({"content":[{"type":"thinking","thinking":"hmm"}],"stop_reason":"max_tokens"});
         let r = read_round(thinking.to_string().as_bytes()).unwrap();

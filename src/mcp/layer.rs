@@ -147,7 +147,13 @@ impl Session {
             .clone()
     }
 
+    /// Keeps the session id, marked sensitive: it names the session to the server as a
+    /// credential would, so a request's `Debug` and hyper's HPACK leave it out.
     pub(crate) fn set_id(&self, id: Option<HeaderValue>) {
+        let id = id.map(|mut id| {
+            id.set_sensitive(true);
+            id
+        });
         *self.id.lock().unwrap_or_else(PoisonError::into_inner) = id;
     }
 
@@ -214,5 +220,21 @@ impl fmt::Debug for Config {
             .field("reconnect_window", &self.reconnect_window)
             .field("body_limit", &self.body_limit)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_id_is_kept_sensitive() {
+        let session = Session::default();
+        session.set_id(Some(HeaderValue::from_static("sess-42")));
+        let id = session.id().expect("kept");
+        assert!(id.is_sensitive());
+        let mut headers = http::HeaderMap::new();
+        headers.insert("mcp-session-id", id);
+        assert!(!format!("{headers:?}").contains("sess-42"));
     }
 }

@@ -405,10 +405,12 @@ impl Judge for OverflowJudge {
 /// `max_tokens` as sent and as it should be, when lowering it makes the request fit.
 fn smaller_max_tokens(config: &Config, bytes: &[u8], input: u64, limit: u64) -> Option<(u64, u64)> {
     let from: u64 = json_edit::read_value(bytes, "max_tokens")?;
+    // At least one token whatever the floor: the APIs refuse `max_tokens: 0`.
     let mut to = limit
         .saturating_sub(input)
         .saturating_sub(config.margin)
-        .max(config.floor);
+        .max(config.floor)
+        .max(1);
     let budget = json_edit::read_value::<Thinking>(bytes, "thinking").and_then(|t| t.budget_tokens);
     if let Some(budget) = budget {
         to = to.max(budget.saturating_add(1));
@@ -437,5 +439,45 @@ impl<S> Ctx<S> {
             res.extensions_mut().insert(overflow);
         }
         res
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(floor: u64, margin: u64) -> Config {
+        Config {
+            floor,
+            margin,
+            context_window_fallback: None,
+            body_limit: crate::body::DEFAULT_BODY_LIMIT,
+            peek_limit: crate::pipeline::DEFAULT_PEEK_LIMIT,
+        }
+    }
+
+    #[test]
+    fn a_repair_never_sends_zero_tokens() {
+        let body = br#"{"model":"m","max_tokens":4096,"messages":[]}"#;
+        // No room left after the margin, and a floor of 0: one token, not zero.
+        assert_eq!(
+            smaller_max_tokens(&config(0, 1_000), body, 199_000, 200_000),
+            Some((4096, 1))
+        );
+        // The usual case: what is left below the limit, less the margin.
+        assert_eq!(
+            smaller_max_tokens(&config(3_000, 1_000), body, 190_000, 200_000),
+            None,
+            "9,000 left is more than was asked for: nothing to repair"
+        );
+        assert_eq!(
+            smaller_max_tokens(&config(1_000, 1_000), body, 197_000, 200_000),
+            Some((4096, 2_000))
+        );
+        // Not even the floor fits: no repair.
+        assert_eq!(
+            smaller_max_tokens(&config(3_000, 1_000), body, 198_000, 200_000),
+            None
+        );
     }
 }

@@ -41,7 +41,7 @@ impl ContextOverflowLayer {
 
     /// The least `max_tokens` a repair sends: an answer shorter than this is not worth having.
     /// When even this much does not fit, the request is not re-sent with a smaller
-    /// `max_tokens`. Defaults to 3,000.
+    /// `max_tokens`. A repair sends at least 1 whatever the floor. Defaults to 3,000.
     pub fn floor(mut self, tokens: u64) -> Self {
         self.config.floor = tokens;
         self
