@@ -788,14 +788,14 @@ fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
             // What the budget can pay for over the outage: its reserve for every ttl window
             // the outage touches, and its ratio of the first attempts it remembers.
             let b = BudgetConfig::default();
-            let ttl = b.ttl().as_secs() as usize;
+            let ttl = b.get_ttl().as_secs() as usize;
             let start = S4_OUTAGE.0 as usize;
             let firsts: u64 = stats.first_attempts[start - ttl..end]
                 .iter()
                 .map(|&n| u64::from(n))
                 .sum();
             let windows = (end - start).div_ceil(ttl) as u64 + 1;
-            b.max_retries(0) * windows + (f64::from(b.retry_ratio()) * firsts as f64) as u64
+            b.max_retries(0) * windows + (f64::from(b.get_retry_ratio()) * firsts as f64) as u64
         });
         (Some(stats.outage_retries), recovered, allowance)
     } else {

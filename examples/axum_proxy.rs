@@ -63,7 +63,10 @@ pub fn app(upstream: impl Into<String>, policy: RetryPolicy) -> Router {
 
 async fn forward(State(state): State<AppState>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
-    let mut upstream = http::Request::post(format!("{}{}", state.upstream, parts.uri.path()));
+    // The path and the query (`?beta=true` and the like) as the client sent them.
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let base = state.upstream.trim_end_matches('/');
+    let mut upstream = http::Request::post(format!("{base}{path}"));
     for name in FORWARDED {
         let name = HeaderName::from_static(name);
         for value in parts.headers.get_all(&name) {

@@ -109,12 +109,17 @@
 //! - **Attempts** are numbered from 1; what counts retries says so and counts from 0
 //!   ([attempt numbers](retry#attempt-numbers)).
 //! - **Configuration** types are built by chained setters named after the setting
-//!   (`max_retries(n)`); the getter of a setting is `get_` and its name (`get_max_retries()`),
-//!   for every setting. A setter returns `Result<Self, ConfigError>` exactly when its value
-//!   can be wrong on its own (a multiplier below 1, a jitter fraction above 1, an empty
-//!   fallback chain), and fails at that call, naming the setting. Two settings that bound each
-//!   other never fail: the bound wins (an `initial_backoff` above `max_backoff` backs off by
-//!   `max_backoff`).
+//!   (`max_retries(n)`). A setting that is read back has a getter named `get_` and the
+//!   setting (`get_max_retries()`): [`RetryPolicy`] has one for every setting, and
+//!   [`BudgetConfig`], [`PacingConfig`] and [`Target`] for theirs; [`Fleet`] reads its state
+//!   back by name ([`Fleet::budget_stats`], [`Fleet::pace`], …); layers are not read back.
+//!   A setter returns
+//!   `Result<Self, ConfigError>` exactly when its value can be wrong on its own (a multiplier
+//!   below 1, a jitter fraction above 1, an empty fallback chain), and fails at that call,
+//!   naming the setting. The one exception is [`Circuit`], a value checked as a whole when
+//!   [`ModelFallbackLayer::circuit`] takes it. Two settings that bound each other never fail:
+//!   the bound wins (an `initial_backoff` above `max_backoff` backs off by `max_backoff`, a
+//!   circuit's `max_cooldown` below its `cooldown` does not double it).
 //! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
 //!   `x::ResponseFuture`.
 //! - Every public type is re-exported at the crate root, except the modules' futures and the
@@ -215,9 +220,12 @@ pub use crate::auth::{
 };
 pub use crate::body::ReplayBody;
 pub use crate::classify::{
-    Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
+    default_sse_verdict, Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
+    SseVerdict, WallClock,
 };
-pub use crate::continuation::{Continuation, ContinuationLayer, Continued, TruncatedToolCall};
+pub use crate::continuation::{
+    Continuation, ContinuationBody, ContinuationLayer, Continued, TruncatedToolCall,
+};
 pub use crate::error::{
     AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
     TimedOut, TimeoutKind,

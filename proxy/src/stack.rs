@@ -363,10 +363,13 @@ impl Tenants {
         }
         let built = Tenant {
             stack: factory.build(credential)?,
-            client_budget: factory
-                .upstream
-                .budget_config()
-                .map(|b| Arc::new(TpsBudget::new(b.ttl(), b.min_per_sec(), b.retry_ratio()))),
+            client_budget: factory.upstream.budget_config().map(|b| {
+                Arc::new(TpsBudget::new(
+                    b.get_ttl(),
+                    b.get_min_per_sec(),
+                    b.get_retry_ratio(),
+                ))
+            }),
         };
         map.insert(
             (upstream, tenant),

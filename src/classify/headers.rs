@@ -12,9 +12,9 @@ pub const X_SHOULD_RETRY: &str = "x-should-retry";
 /// Reads the wait a response asks for, first found wins: `retry-after-ms`, `retry-after` as
 /// (possibly fractional) seconds, then `retry-after` as an HTTP-date relative to `now`.
 ///
-/// NaN, infinite, negative or unparseable values count as absent, and so does an HTTP-date in
-/// the past. A plain number too large for a `Duration` is `Duration::MAX`: a wait above any
-/// ceiling, as the server asked for, not no wait at all. When a header appears more than once,
+/// NaN, infinite, negative or unparseable values count as absent, and so do an HTTP-date in
+/// the past and a value longer than 32 characters. A plain number too large for a `Duration`
+/// is `Duration::MAX`: a wait above any ceiling, as the server asked for, not no wait at all. When a header appears more than once,
 /// its first value is used.
 pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     parse_retry_after_with(headers, || now)

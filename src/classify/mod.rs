@@ -41,9 +41,10 @@
 //! (fractional) seconds, then `retry-after` as an HTTP-date, read against the response's own
 //! `Date` when it has one (so the host's clock skew does not change the wait; the system
 //! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative and
-//! unparseable values count as absent, and so does a date in the past; a number too large to
-//! hold is the longest wait (above any ceiling, so the policy's choice for that applies); a
-//! header sent twice counts with its first value. A `Retry-After` applies only to the sleep
+//! unparseable values count as absent, and so does a date in the past or a value longer than
+//! 32 characters; a plain number too large for a `Duration` is the longest wait (above any
+//! ceiling, so the policy's choice for that applies); a header sent twice counts with its
+//! first value. A `Retry-After` applies only to the sleep
 //! right after the response that carried it; the policy clamps it and decides what a wait above
 //! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).
 //!
@@ -71,10 +72,10 @@
 //! default), a request that hyper canceled before writing it on a reused connection. That
 //! happens below the loop, so the trail counts one attempt for it; it never re-sends anything
 //! that may have reached the server (hyper only cancels requests it never started to write), so
-//! it is safe with `NotReplaySafe`. `tests/it/http2.rs` runs the key cases (429 with `Retry-After`,
-//! 529, a reset before the head, an in-band SSE error, `REFUSED_STREAM`, `GOAWAY`,
-//! `INTERNAL_ERROR` after the head) over h1+TLS, h2+TLS and h2c against the mock, hashing the
-//! body on every attempt.
+//! it is safe with `NotReplaySafe`. `tests/it/http2.rs` runs the key cases against the mock,
+//! hashing the body on every attempt: a 429 with `Retry-After`, a 529, a reset before the head
+//! and an in-band SSE error over h1+TLS and h2+TLS; `REFUSED_STREAM` and `GOAWAY` over h2+TLS
+//! and h2c; `INTERNAL_ERROR` after the head over h2c.
 //!
 //! # Changing a decision
 //!

@@ -54,12 +54,16 @@ pub fn default_sse_verdict(event: &SseEvent<'_>) -> SseVerdict {
             return SseVerdict::Output;
         }
     }
-    let shows = chunk.choices.iter().any(|c| {
-        let d = &c.delta;
-        d.content.as_deref().is_some_and(|s| !s.is_empty())
-            || d.refusal.as_deref().is_some_and(|s| !s.is_empty())
-            || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
-            || d.function_call.is_some()
+    let shows = chunk.choices.iter().flatten().any(|c| {
+        // Legacy Completions (`/v1/completions`, and the servers that speak it) stream
+        // `choices[].text`.
+        c.text.as_deref().is_some_and(|s| !s.is_empty())
+            || c.delta.as_ref().is_some_and(|d| {
+                d.content.as_ref().is_some_and(Content::shows)
+                    || d.refusal.as_deref().is_some_and(|s| !s.is_empty())
+                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+                    || d.function_call.is_some()
+            })
     });
     if shows {
         SseVerdict::Output
@@ -80,20 +84,41 @@ struct Chunk<'a> {
     kind: Option<Cow<'a, str>>,
     #[serde(default)]
     error: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    choices: Vec<Choice<'a>>,
+    // `null` where a server sends one (a usage-only chunk) reads as none.
+    #[serde(borrow, default)]
+    choices: Option<Vec<Choice<'a>>>,
 }
 
 #[derive(Deserialize, Default)]
 struct Choice<'a> {
     #[serde(borrow, default)]
-    delta: Delta<'a>,
+    delta: Option<Delta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+/// A delta's `content`: a string, or (as some OpenAI-compatible servers send) a list of parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    #[serde(borrow)]
+    Text(Cow<'a, str>),
+    Parts(Vec<serde::de::IgnoredAny>),
+}
+
+impl Content<'_> {
+    fn shows(&self) -> bool {
+        match self {
+            Content::Text(s) => !s.is_empty(),
+            Content::Parts(p) => !p.is_empty(),
+        }
+    }
 }
 
 #[derive(Deserialize, Default)]
 struct Delta<'a> {
     #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
+    content: Option<Content<'a>>,
     #[serde(borrow, default)]
     refusal: Option<Cow<'a, str>>,
     #[serde(default)]
@@ -222,6 +247,26 @@ mod tests {
             verdict(None, err),
             SseVerdict::Error(Classification::retry(FailureClass::Server))
         );
+    }
+
+    #[test]
+    fn legacy_completions_and_compatible_servers_chunks() {
+        // `/v1/completions` streams `choices[].text`.
+        let text = r#"{"object":"text_completion","choices":[{"text":"Hello","index":0,"finish_reason":null}]}"#;
+        assert_eq!(verdict(None, text), SseVerdict::Output);
+        let empty = r#"{"object":"text_completion","choices":[{"text":"","index":0}]}"#;
+        assert_eq!(verdict(None, empty), SseVerdict::Preamble);
+        // Content as a list of parts, a `null` delta, `null` choices (a usage-only chunk).
+        let parts =
+            r#"{"choices":[{"index":0,"delta":{"content":[{"type":"text","text":"Hi"}]}}]}"#;
+        assert_eq!(verdict(None, parts), SseVerdict::Output);
+        let no_delta = r#"{"choices":[{"index":0,"delta":null,"finish_reason":"stop"}]}"#;
+        assert_eq!(verdict(None, no_delta), SseVerdict::Preamble);
+        let usage = r#"{"choices":null,"usage":{"total_tokens":3}}"#;
+        assert_eq!(verdict(None, usage), SseVerdict::Preamble);
+        // A `null` delta beside a choice with text still shows output.
+        let mixed = r#"{"choices":[{"index":0,"delta":null},{"index":1,"delta":{"content":"x"}}]}"#;
+        assert_eq!(verdict(None, mixed), SseVerdict::Output);
     }
 
     #[test]

@@ -70,7 +70,8 @@ impl Circuit {
         self
     }
 
-    /// The longest cooldown that failed probes double up to; at least the cooldown.
+    /// The longest cooldown that failed probes double up to. Set below the cooldown, it is
+    /// the cooldown (the bound wins: a failed probe reopens for the cooldown again).
     /// Defaults to 5 minutes.
     pub fn max_cooldown(mut self, max: Duration) -> Self {
         self.max_cooldown = max;
@@ -91,11 +92,6 @@ impl Circuit {
         if self.cooldown.is_zero() {
             return Err(ConfigError::new(
                 "the circuit's cooldown must be more than zero",
-            ));
-        }
-        if self.max_cooldown < self.cooldown {
-            return Err(ConfigError::new(
-                "the circuit's max cooldown must be at least its cooldown",
             ));
         }
         Ok(())
@@ -248,7 +244,10 @@ impl TargetCircuit {
             }
             State::HalfOpen { .. } if probe => {
                 let last = inner.cooldown.unwrap_or(config.cooldown);
-                let cooldown = last.saturating_mul(2).min(config.max_cooldown);
+                // A `max_cooldown` set below the cooldown is the cooldown: no doubling.
+                let cooldown = last
+                    .saturating_mul(2)
+                    .min(config.max_cooldown.max(config.cooldown));
                 inner.cooldown = Some(cooldown);
                 inner.state = State::Open {
                     until: crate::time::after(now, cooldown),
@@ -361,9 +360,32 @@ mod tests {
         assert!(Circuit::new().failures(0).validate().is_err());
         assert!(Circuit::new().cooldown(Duration::ZERO).validate().is_err());
         assert!(Circuit::new().window(Duration::ZERO).validate().is_err());
+        // Two bounds set across each other settle on the bound.
         assert!(Circuit::new()
             .max_cooldown(Duration::from_secs(1))
             .validate()
-            .is_err());
+            .is_ok());
+    }
+
+    #[test]
+    fn a_max_cooldown_below_the_cooldown_reopens_for_the_cooldown() {
+        let cfg = config()
+            .cooldown(Duration::from_secs(5))
+            .max_cooldown(Duration::from_secs(1));
+        let c = TargetCircuit::default();
+        let t0 = Instant::now();
+        c.failed(false, t0, &cfg, "t");
+        c.failed(false, t0, &cfg, "t");
+        assert_eq!(c.admit(t0, "t"), Admit::Skip);
+        // The probe after the 5 s cooldown fails: open for 5 s again, not 1 s, not 10 s.
+        let t1 = t0 + Duration::from_secs(5);
+        assert_eq!(c.admit(t1, "t"), Admit::Probe);
+        c.failed(true, t1, &cfg, "t");
+        assert_eq!(
+            c.state(t1).0,
+            CircuitState::Open {
+                remaining: Duration::from_secs(5)
+            }
+        );
     }
 }

@@ -223,8 +223,11 @@
 //!   [`RetryTrail`](crate::RetryTrail)) instead of retrying. Other triggers at the last target
 //!   let the retry policy go on there.
 //! - Every response carries a [`ModelUsed`] extension, and each call runs in an
-//!   `llm_fallback` tracing span with the OpenTelemetry fields `gen_ai.request.model` and
-//!   `gen_ai.response.model` set to the model actually used.
+//!   `llm_fallback` tracing span with the OpenTelemetry fields `gen_ai.request.model` (the
+//!   caller's) and `gen_ai.response.model` (the model this layer sent the request to; a
+//!   [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside that moved it to its
+//!   context-window fallback says so in [`ModelUsed::model`], which names the model that
+//!   served).
 //! - A body that is not a JSON object with a string `"model"`, or that could not be buffered,
 //!   passes through untouched, to the request's own upstream.
 //!

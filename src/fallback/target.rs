@@ -81,7 +81,7 @@ impl Target {
     }
 
     /// The model.
-    pub fn model(&self) -> &str {
+    pub fn get_model(&self) -> &str {
         &self.model
     }
 

@@ -57,17 +57,17 @@ impl BudgetConfig {
     }
 
     /// How long a deposit counts.
-    pub fn ttl(&self) -> Duration {
+    pub fn get_ttl(&self) -> Duration {
         self.ttl
     }
 
     /// Retries allowed each second whatever the traffic.
-    pub fn min_per_sec(&self) -> u32 {
+    pub fn get_min_per_sec(&self) -> u32 {
         self.min_per_sec
     }
 
     /// Retries allowed per first attempt.
-    pub fn retry_ratio(&self) -> f32 {
+    pub fn get_retry_ratio(&self) -> f32 {
         self.retry_ratio
     }
 

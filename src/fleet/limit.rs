@@ -248,7 +248,7 @@ impl PacingConfig {
     }
 
     /// The rate it starts from.
-    pub fn initial(&self) -> f64 {
+    pub fn get_initial(&self) -> f64 {
         self.initial
     }
 

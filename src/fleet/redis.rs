@@ -860,8 +860,12 @@ impl Shared {
 /// each process's own first attempts already).
 fn divide(config: BudgetConfig, processes: u32) -> BudgetConfig {
     let n = processes.max(1);
-    BudgetConfig::new(config.ttl(), config.min_per_sec() / n, config.retry_ratio())
-        .unwrap_or(config)
+    BudgetConfig::new(
+        config.get_ttl(),
+        config.get_min_per_sec() / n,
+        config.get_retry_ratio(),
+    )
+    .unwrap_or(config)
 }
 
 /// How far ahead a slot of the fleet's schedule is booked: a change of rate reaches the
@@ -919,7 +923,7 @@ async fn reserve_slots(shared: Arc<Shared>) {
         let mut inv = shared.reserve.prepare_invoke();
         inv.key(&shared.keys.pace)
             .key(&shared.keys.procs)
-            .arg(config.initial())
+            .arg(config.get_initial())
             .arg(config.get_min())
             .arg(config.get_max())
             .arg(config.get_growth())
@@ -1311,7 +1315,7 @@ impl Task {
                 .arg(epoch)
                 .arg(c.get_decrease())
                 .arg(c.get_min())
-                .arg(c.initial())
+                .arg(c.get_initial())
                 .arg(c.get_max());
             called = true;
             let rate: String = match self.call(inv, conn).await {
@@ -1373,7 +1377,7 @@ impl Task {
         let ttl = self
             .shared
             .budget
-            .map_or(Duration::from_secs(10), |b| b.ttl());
+            .map_or(Duration::from_secs(10), |b| b.get_ttl());
         (ttl / 2).min(Duration::from_secs(1))
     }
 
@@ -1473,15 +1477,15 @@ impl Task {
             }
         };
         let want = (flush.demand * 2).clamp(MIN_GRANT, MAX_GRANT);
-        let slot_ms = (ms(config.ttl()) / 10).max(1);
-        let reserve = f64::from(config.min_per_sec()) * config.ttl().as_secs_f64();
+        let slot_ms = (ms(config.get_ttl()) / 10).max(1);
+        let reserve = f64::from(config.get_min_per_sec()) * config.get_ttl().as_secs_f64();
         let mut inv = self.budget.prepare_invoke();
         inv.key(&s.keys.budget)
             .key(format!("{}:flush:{}", s.keys.budget, s.process))
             .arg(slot_ms)
             .arg(10)
             .arg(reserve)
-            .arg(f64::from(config.retry_ratio()))
+            .arg(f64::from(config.get_retry_ratio()))
             .arg(flush.deposits)
             .arg(flush.held)
             .arg(flush.slot_of_held)
@@ -1602,8 +1606,8 @@ mod tests {
     #[test]
     fn the_divided_budget_divides_the_reserve() {
         let c = BudgetConfig::new(Duration::from_secs(10), 10, 0.2).unwrap();
-        assert_eq!(divide(c, 4).min_per_sec(), 2);
-        assert_eq!(divide(c, 0).min_per_sec(), 10);
-        assert_eq!(divide(c, 4).retry_ratio(), 0.2);
+        assert_eq!(divide(c, 4).get_min_per_sec(), 2);
+        assert_eq!(divide(c, 0).get_min_per_sec(), 10);
+        assert_eq!(divide(c, 4).get_retry_ratio(), 0.2);
     }
 }

@@ -816,19 +816,29 @@ where
                 return Poll::Ready(Peek::ErrorBody)
             }
             PeekMode::Sse(_) if done && peeked.error.is_some() => return Poll::Ready(Peek::Failed),
-            // A clean end before any output and before the protocol's terminal event: cut, as
-            // a reset would be, and retried like one (nothing was shown yet).
-            PeekMode::Sse(scan) if done && stream_end_check => {
-                if let Some(cut) = scan.end(peeked.len() as u64) {
-                    peeked.error = Some(Box::new(
-                        Error::new(ErrorKind::IncompleteStream).with_source(cut),
-                    ));
-                    return Poll::Ready(Peek::Failed);
+            PeekMode::Sse(scan) if done => {
+                // The last event may be complete only now: a lone `\r` ended it.
+                let last = scan.finish(|event| match classifier.classify_sse_event(event) {
+                    SseVerdict::Output => Some(None),
+                    SseVerdict::Error(c) => Some(Some(c)),
+                    _ => None,
+                });
+                match last {
+                    Ok(Some(None)) => return Poll::Ready(Peek::Commit(CommitReason::FirstOutput)),
+                    Ok(Some(Some(c))) => return Poll::Ready(Peek::SseError(c)),
+                    Ok(None) | Err(_) => {}
+                }
+                // A clean end before any output and before the protocol's terminal event: cut,
+                // as a reset would be, and retried like one (nothing was shown yet).
+                if stream_end_check {
+                    if let Some(cut) = scan.end(peeked.len() as u64) {
+                        peeked.error = Some(Box::new(
+                            Error::new(ErrorKind::IncompleteStream).with_source(cut),
+                        ));
+                        return Poll::Ready(Peek::Failed);
+                    }
                 }
                 return Poll::Ready(Peek::Commit(CommitReason::EndOfStream));
-            }
-            PeekMode::Sse(_) if done => {
-                return Poll::Ready(Peek::Commit(CommitReason::EndOfStream))
             }
             PeekMode::Sse(_) if peeked.len() >= peek_limit => {
                 return Poll::Ready(Peek::Commit(CommitReason::PeekLimit))

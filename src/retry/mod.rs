@@ -135,8 +135,8 @@
 //! | shutdown token | none | [`RetryLayer::cancellation`] |
 //! | observer | none | [`RetryLayer::observer`] |
 //! | retry budget, shared by every layer given one fleet | on | [`RetryLayer::fleet`] with [`FleetBuilder::budget`](crate::fleet::FleetBuilder::budget); settings in [`fleet`](crate::fleet#configuration) |
-//! | cooldown gate, shared likewise | off | [`FleetBuilder::cooldown_gate`](crate::fleet::FleetBuilder::cooldown_gate); settings in [`fleet`](crate::fleet#configuration) |
-//! | adaptive pacing, shared likewise | off | [`FleetBuilder::pacing`](crate::fleet::FleetBuilder::pacing); settings in [`fleet`](crate::fleet#configuration) |
+//! | cooldown gate, shared likewise | on, for a `Retry-After` of 2 s or more | [`FleetBuilder::cooldown_gate`](crate::fleet::FleetBuilder::cooldown_gate); settings in [`fleet`](crate::fleet#configuration) |
+//! | adaptive pacing, shared likewise | on, dormant until the server signals a rate limit | [`FleetBuilder::pacing`](crate::fleet::FleetBuilder::pacing); settings in [`fleet`](crate::fleet#configuration) |
 //!
 //! The presets ([`RetryPolicy::sdk_compatible`], [`patient`](RetryPolicy::patient),
 //! [`interactive`](RetryPolicy::interactive), [`never`](RetryPolicy::never)) and what each does

@@ -113,6 +113,34 @@ impl SseScanner {
         Ok(result)
     }
 
+    /// At the end of the stream: the events [`push`](Self::push) left pending, then an event
+    /// whose blank line ended in a lone `\r` as the stream's last byte (a complete line end
+    /// in SSE, which `push` holds until the next byte says whether it was half of `\r\n`).
+    /// An unfinished event without its blank line is dropped, as the SSE rules say.
+    pub fn finish<T>(
+        &mut self,
+        mut on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
+    ) -> Result<Option<T>, ScanError> {
+        if let Some(v) = self.push(&[], &mut on_event)? {
+            return Ok(Some(v));
+        }
+        let Scan::BlankCr { at } = self.state else {
+            return Ok(None);
+        };
+        if self.scanned != self.pending.len() - self.start {
+            return Ok(None);
+        }
+        let block = self.start..self.start + at;
+        self.start = self.pending.len();
+        (self.scanned, self.state) = (0, Scan::Text);
+        let event = parse_block(&self.pending[block]);
+        Ok(if event.is_empty() {
+            None
+        } else {
+            on_event(&event)
+        })
+    }
+
     /// Searches on for the blank line that ends the unfinished event, from where the last
     /// search stopped. When found, moves past it and returns the event's bytes.
     fn next_block(&mut self) -> Option<Range<usize>> {
@@ -242,6 +270,30 @@ mod tests {
         WORK.with(|w| w.set(0));
         f();
         WORK.with(Cell::get)
+    }
+
+    #[test]
+    fn finish_hands_on_a_last_event_ended_by_a_lone_cr() {
+        let mut s = SseScanner::new(1 << 16);
+        let mut got = Vec::new();
+        s.push::<()>(b"data: a\r\rdata: b\r\r", |e| {
+            got.push(e.data.to_string());
+            None
+        })
+        .unwrap();
+        // `a` is out (`d` followed its `\r`); `b` waits for a byte that never comes.
+        assert_eq!(got, ["a"]);
+        s.finish::<()>(|e| {
+            got.push(e.data.to_string());
+            None
+        })
+        .unwrap();
+        assert_eq!(got, ["a", "b"]);
+        // Once only, and an unfinished event (no blank line) is not one.
+        assert_eq!(s.finish(|e| Some(e.data.to_string())).unwrap(), None);
+        let mut s = SseScanner::new(1 << 16);
+        s.push::<()>(b"data: c\r", |_| None).unwrap();
+        assert_eq!(s.finish(|e| Some(e.data.to_string())).unwrap(), None);
     }
 
     #[test]

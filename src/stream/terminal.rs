@@ -140,6 +140,25 @@ impl StreamScan {
         })
     }
 
+    /// At the end of the body: [`SseScanner::finish`], each event observed, then offered to
+    /// `on_event`.
+    pub(crate) fn finish<T>(
+        &mut self,
+        mut on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
+    ) -> Result<Option<T>, ScanError> {
+        let Self {
+            scanner,
+            protocol,
+            finished,
+            last_event,
+            ..
+        } = self;
+        scanner.finish(|event| {
+            observe(event, protocol, finished, last_event);
+            on_event(event)
+        })
+    }
+
     /// Feeds a chunk that went to the caller, only to follow the stream.
     pub(crate) fn follow(&mut self, chunk: &[u8]) {
         if self.lost || self.finished {
@@ -159,8 +178,11 @@ impl StreamScan {
     /// At a clean end of the body: the error to raise, when the stream spoke a known protocol
     /// and its terminal event never came.
     pub(crate) fn end(&mut self, delivered: u64) -> Option<IncompleteStream> {
-        // Events left pending by an early stop are complete; read them before judging.
-        self.follow(&[]);
+        // Events left pending (by an early stop, or a last event ended by a lone `\r`) are
+        // complete; read them before judging.
+        if !self.lost && !self.finished && self.finish::<()>(|_| None).is_err() {
+            self.lost = true;
+        }
         if self.lost || self.finished {
             return None;
         }
@@ -283,6 +305,18 @@ mod tests {
 
     const ANTHROPIC: &str = "event: message_start\ndata: {\"type\":\"message_start\"}\n\n\
         event: content_block_delta\ndata: {\"type\":\"content_block_delta\"}\n\n";
+
+    #[test]
+    fn a_last_event_ended_by_a_lone_cr_is_an_event() {
+        // SSE counts a lone `\r` as a line end: the last event of a stream that ends with
+        // `\r\r` is complete, though no byte follows to say the `\r` was not half of `\r\n`.
+        let cr = "event: message_start\rdata: {\"type\":\"message_start\"}\r\r\
+                  event: content_block_delta\rdata: {\"type\":\"content_block_delta\"}\r\r\
+                  event: message_stop\rdata: {\"type\":\"message_stop\"}\r\r";
+        assert_eq!(scan(cr), None);
+        let cut = scan(&cr[..cr.find("event: message_stop").unwrap()]).unwrap();
+        assert_eq!(cut.last_event(), Some("content_block_delta"));
+    }
 
     #[test]
     fn anthropic_needs_message_stop() {

@@ -48,7 +48,7 @@ async fn proxy_retries_upstream_overload_and_streams_sse_back() {
     let (addr, task) = serve(&upstream, RetryPolicy::default().jitter(Jitter::none())).await;
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let req = http::Request::post(format!("http://{addr}/v1/messages"))
+    let req = http::Request::post(format!("http://{addr}/v1/messages?beta=true"))
         .header("content-type", "application/json")
         .header("x-api-key", "sk-test")
         .header("cookie", "session=private")
@@ -67,6 +67,11 @@ async fn proxy_retries_upstream_overload_and_streams_sse_back() {
         Duration::from_secs(2)
     );
     for r in &seen {
+        // The query goes with the path.
+        assert_eq!(
+            r.uri.path_and_query().unwrap().as_str(),
+            "/v1/messages?beta=true"
+        );
         assert_eq!(sha256(&r.body), sha256(BODY.as_bytes()));
         assert_eq!(r.headers["x-api-key"], "sk-test");
         assert!(

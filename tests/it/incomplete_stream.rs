@@ -249,3 +249,46 @@ async fn with_the_gate_off_a_cut_stream_is_still_an_error() {
     assert_eq!(bytes, concat(&cut));
     assert_eq!(err.unwrap().kind(), ErrorKind::IncompleteStream);
 }
+
+/// SSE counts a lone `\r` as a line end. A stream whose last event ends `\r\r` is whole at
+/// its end (no byte follows to say the `\r` was half of `\r\n`), and that last event is
+/// judged: a whole answer is no error, an in-band client error before output is not retried.
+#[tokio::test(start_paused = true)]
+async fn a_stream_with_lone_cr_line_ends_is_judged_to_its_last_event() {
+    let whole = "event: message_start\rdata: {\"type\":\"message_start\",\"message\":{}}\r\r\
+                 event: content_block_delta\rdata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\r\r\
+                 event: message_stop\rdata: {\"type\":\"message_stop\"}\r\r";
+    for gate in [true, false] {
+        let server = MockServer::start(Script::always(Reply::sse(vec![SseFrame::raw(whole)])))
+            .await
+            .unwrap();
+        let svc = ServiceBuilder::new()
+            .layer(RetryLayer::new().policy(exact_policy()).sse_gate(gate))
+            .service(http_client());
+        let res = svc
+            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+            .await
+            .unwrap();
+        let (bytes, err) = drain(res.into_body()).await;
+        assert!(err.is_none(), "gate {gate}: {err:?}");
+        assert_eq!(bytes, Bytes::from_static(whole.as_bytes()));
+        assert_eq!(server.request_count(), 1);
+    }
+    let client_error = "event: message_start\rdata: {\"type\":\"message_start\",\"message\":{}}\r\r\
+                        event: error\rdata: {\"type\":\"error\",\"error\":{\"type\":\"invalid_request_error\"}}\r\r";
+    let server = MockServer::start(Script::always(Reply::sse(vec![SseFrame::raw(
+        client_error,
+    )])))
+    .await
+    .unwrap();
+    let res = svc()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    let trail = res.extensions().get::<RetryTrail>().cloned().unwrap();
+    assert_eq!(
+        trail.attempts()[0].class,
+        tower_llm_retry::FailureClass::Client
+    );
+    assert_eq!(server.request_count(), 1, "a client error is not retried");
+}

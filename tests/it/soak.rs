@@ -202,9 +202,9 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
     assert!(tally.max_attempts <= MAX_RETRIES + 1);
     // Retries within the budget: its reserve for every window of the run, plus its share of
     // the first attempts.
-    let windows = elapsed.as_secs().div_ceil(budget.ttl().as_secs()) + 1;
-    let allowed = windows * u64::from(budget.min_per_sec()) * budget.ttl().as_secs()
-        + (n as f64 * f64::from(budget.retry_ratio())) as u64;
+    let windows = elapsed.as_secs().div_ceil(budget.get_ttl().as_secs()) + 1;
+    let allowed = windows * u64::from(budget.get_min_per_sec()) * budget.get_ttl().as_secs()
+        + (n as f64 * f64::from(budget.get_retry_ratio())) as u64;
     assert!(
         tally.retries <= allowed,
         "{} retries > {allowed} allowed",
