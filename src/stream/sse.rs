@@ -44,7 +44,12 @@ pub struct SseScanner {
     scanned: usize,
     state: Scan,
     limit: usize,
+    /// Whether the start of the stream has been looked at for a byte order mark, which the
+    /// SSE rules strip (else the first line's field name would begin with it).
+    bom_checked: bool,
 }
+
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// Where the blank-line search stopped. A line ends with `\n`, `\r\n` or `\r`; an event
 /// ends with an empty line, so with two line ends in a row. `at` is where the first of the
@@ -80,6 +85,7 @@ impl SseScanner {
             scanned: 0,
             state: Scan::Text,
             limit,
+            bom_checked: false,
         }
     }
 
@@ -96,6 +102,18 @@ impl SseScanner {
         mut on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
     ) -> Result<Option<T>, ScanError> {
         self.pending.extend_from_slice(chunk);
+        if !self.bom_checked {
+            let have = self.pending.len().min(BOM.len());
+            if self.pending[..have] != BOM[..have] {
+                self.bom_checked = true;
+            } else if have == BOM.len() {
+                self.pending.drain(..BOM.len());
+                self.bom_checked = true;
+            } else {
+                // Perhaps the start of one: nothing to scan until it is known.
+                return Ok(None);
+            }
+        }
         let mut result = None;
         while let Some(block) = self.next_block() {
             let event = parse_block(&self.pending[block]);
@@ -270,6 +288,29 @@ mod tests {
         WORK.with(|w| w.set(0));
         f();
         WORK.with(Cell::get)
+    }
+
+    #[test]
+    fn a_byte_order_mark_at_the_start_is_stripped_however_it_is_split() {
+        let stream =
+            b"\xEF\xBB\xBFevent: message_start\ndata: {}\n\nevent: ping\ndata: \xEF\xBB\xBF\n\n";
+        for split in 0..=stream.len() {
+            let got = events(&[&stream[..split], &stream[split..]]);
+            assert_eq!(
+                got,
+                [
+                    (Some("message_start".to_owned()), "{}".to_owned()),
+                    // Only the stream's first bytes: a mark inside is data.
+                    (Some("ping".to_owned()), "\u{feff}".to_owned()),
+                ],
+                "split at {split}"
+            );
+        }
+        // Bytes that only begin like one are kept.
+        assert_eq!(
+            events(&[b"\xEF", b"x: 1\ndata: a\n\n"]),
+            [(None, "a".to_owned())]
+        );
     }
 
     #[test]
