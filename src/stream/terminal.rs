@@ -125,7 +125,20 @@ impl StreamScan {
     pub(crate) fn push<T>(
         &mut self,
         chunk: &[u8],
+        on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
+    ) -> Result<Option<T>, ScanError> {
+        self.observing(on_event, |scanner, f| scanner.push(chunk, f))
+    }
+
+    /// Runs `scan` on the scanner, each event it completes observed, then offered to
+    /// `on_event`.
+    fn observing<T>(
+        &mut self,
         mut on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
+        scan: impl FnOnce(
+            &mut SseScanner,
+            &mut dyn FnMut(&SseEvent<'_>) -> Option<T>,
+        ) -> Result<Option<T>, ScanError>,
     ) -> Result<Option<T>, ScanError> {
         let Self {
             scanner,
@@ -134,7 +147,7 @@ impl StreamScan {
             last_event,
             ..
         } = self;
-        scanner.push(chunk, |event| {
+        scan(scanner, &mut |event| {
             observe(event, protocol, finished, last_event);
             on_event(event)
         })
@@ -144,19 +157,9 @@ impl StreamScan {
     /// `on_event`.
     pub(crate) fn finish<T>(
         &mut self,
-        mut on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
+        on_event: impl FnMut(&SseEvent<'_>) -> Option<T>,
     ) -> Result<Option<T>, ScanError> {
-        let Self {
-            scanner,
-            protocol,
-            finished,
-            last_event,
-            ..
-        } = self;
-        scanner.finish(|event| {
-            observe(event, protocol, finished, last_event);
-            on_event(event)
-        })
+        self.observing(on_event, |scanner, f| scanner.finish(f))
     }
 
     /// Feeds a chunk that went to the caller, only to follow the stream.

@@ -299,10 +299,7 @@ async fn the_circuit_opens_after_f_failures_in_w_and_the_cooldown_goes_straight_
                 .cooldown(Duration::from_secs(30)),
         )
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let call = || {
         svc.clone()
             .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
@@ -372,10 +369,7 @@ async fn half_open_lets_one_probe_through_under_50_concurrent_requests_and_a_goo
         .unwrap()
         .circuit(Circuit::new().failures(1).cooldown(Duration::from_secs(10)))
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let call = || {
         svc.clone()
             .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
@@ -430,10 +424,7 @@ async fn a_failed_probe_reopens_the_circuit_with_the_cooldown_doubled_up_to_its_
                 .max_cooldown(Duration::from_secs(25)),
         )
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let start = Instant::now();
     // Opens at 0 (10 s); probes at 10 (reopens for 20 s), at 30 (25 s, the bound), at 55.
     for at in [0, 9, 10, 29, 30, 54, 55] {
@@ -483,10 +474,7 @@ async fn a_flapping_primary_is_covered_by_the_fallback_and_serves_again_within_o
                 .max_cooldown(Duration::from_secs(30)),
         )
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let mut served = Vec::new();
     let mut cooldown_at_recovery = None;
     for i in 0..20u64 {
@@ -693,10 +681,7 @@ async fn head_timeouts_count_against_the_circuit() {
         .unwrap()
         .circuit(Circuit::new().failures(2).cooldown(Duration::from_secs(60)))
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let start = Instant::now();
     for _ in 0..3 {
         let res = svc
@@ -761,10 +746,7 @@ async fn every_circuit_transition_is_a_tracing_event() {
         .unwrap()
         .circuit(Circuit::new().failures(1).cooldown(Duration::from_secs(10)))
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     let start = Instant::now();
     for at in [0, 10, 30] {
         tokio::time::sleep_until(start + Duration::from_secs(at)).await;
@@ -889,14 +871,7 @@ async fn on_its_own_an_exhausted_quota_never_counts_against_the_circuit() {
     let svc = ServiceBuilder::new()
         .layer(layer.clone())
         .service(http_client());
-    for _ in 0..2 {
-        let res = svc
-            .clone()
-            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
-            .await
-            .unwrap();
-        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
-    }
+    send_twice(&svc, &server, StatusCode::TOO_MANY_REQUESTS).await;
     assert!(layer.circuit_states()[0].state.is_closed());
     let models: Vec<String> = server.requests().iter().map(model_of).collect();
     assert_eq!(models, [PRIMARY, PRIMARY]);
@@ -923,19 +898,9 @@ async fn a_reset_at_a_target_skipped_to_moves_one_target_on_from_it() {
         .unwrap()
         .circuit(Circuit::new().failures(2).cooldown(Duration::from_secs(60)))
         .unwrap();
-    let svc = ServiceBuilder::new()
-        .layer(RetryLayer::new().policy(policy()))
-        .layer(layer.clone())
-        .service(http_client());
+    let svc = retried(&layer);
     // Two requests open the primary's circuit (each: a 503 there, then the fallback answers).
-    for _ in 0..2 {
-        let res = svc
-            .clone()
-            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
-            .await
-            .unwrap();
-        assert_eq!(res.status(), StatusCode::OK);
-    }
+    send_twice(&svc, &server, StatusCode::OK).await;
     assert!(!layer.circuit_states()[0].state.is_closed());
     let before = server.requests().len();
     let res = svc
@@ -949,4 +914,33 @@ async fn a_reset_at_a_target_skipped_to_moves_one_target_on_from_it() {
     assert_eq!(models, [FALLBACK, THIRD]);
     let used = res.extensions().get::<ModelUsed>().unwrap();
     assert_eq!(used.model, THIRD);
+}
+
+/// Sends `REQUEST` through `svc` twice, and checks each is answered `status`.
+async fn send_twice<S, B>(svc: &S, server: &MockServer, status: StatusCode)
+where
+    S: tower::Service<
+            http::Request<http_body_util::Full<bytes::Bytes>>,
+            Response = http::Response<B>,
+        > + Clone,
+    S::Error: std::fmt::Debug,
+{
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), status);
+    }
+}
+
+/// The retry loop with `layer` inside it, over a plain client.
+fn retried(
+    layer: &ModelFallbackLayer,
+) -> tower_llm_retry::Retry<tower_llm_retry::ModelFallback<HttpClient>> {
+    ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy()))
+        .layer(layer.clone())
+        .service(http_client())
 }

@@ -609,22 +609,41 @@ async fn pacing_child() {
     }
 }
 
-#[tokio::test]
-async fn separate_processes_sharing_one_redis_keep_together_under_the_stated_limit() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+/// One request through a stack on `fleet` to a server that answers it.
+async fn one_success(fleet: &Fleet) {
+    let server = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let res = stack(fleet, policy())
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
+/// A server that states 1,200 requests a minute on every answer, and a paced fleet on
+/// `redis`, in touch.
+async fn paced_under_a_stated_limit(redis: &RedisServer) -> (MockServer, Fleet) {
     let server = MockServer::start(Script::always(
         Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
     ))
     .await
     .unwrap();
-    // This process states the limit to the fleet's schedule first.
     let fleet = Fleet::builder()
         .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
-        .redis(patient(store(&redis)))
+        .redis(patient(store(redis)))
         .build();
     all_connected(std::slice::from_ref(&fleet)).await;
+    (server, fleet)
+}
+
+#[tokio::test]
+async fn separate_processes_sharing_one_redis_keep_together_under_the_stated_limit() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    // This process states the limit to the fleet's schedule first.
+    let (server, fleet) = paced_under_a_stated_limit(&redis).await;
     stack(&fleet, policy())
         .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
         .await
@@ -1064,14 +1083,7 @@ fn a_fleet_whose_runtime_shut_down_paces_locally_and_hangs_nothing() {
         .build()
         .unwrap();
     first.block_on(async {
-        let server = MockServer::start(Script::always(Reply::success()))
-            .await
-            .unwrap();
-        let res = stack(&fleet, policy())
-            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-            .await
-            .unwrap();
-        assert_eq!(res.status(), StatusCode::OK);
+        one_success(&fleet).await;
         all_connected(std::slice::from_ref(&fleet)).await;
     });
     drop(first);
@@ -1216,14 +1228,7 @@ fn a_gate_only_fleet_built_outside_a_runtime_starts_on_its_first_request() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let server = MockServer::start(Script::always(Reply::success()))
-            .await
-            .unwrap();
-        let res = stack(&fleet, policy())
-            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-            .await
-            .unwrap();
-        assert_eq!(res.status(), StatusCode::OK);
+        one_success(&fleet).await;
         // Another process closes the gate.
         let other = Fleet::builder()
             .budget(None)
@@ -1243,16 +1248,7 @@ async fn the_stated_limit_caps_the_shared_schedule_again_after_its_key_was_lost(
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let server = MockServer::start(Script::always(
-        Reply::success().header("anthropic-ratelimit-requests-limit", "1200"),
-    ))
-    .await
-    .unwrap();
-    let fleet = Fleet::builder()
-        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
-        .redis(patient(store(&redis)))
-        .build();
-    all_connected(std::slice::from_ref(&fleet)).await;
+    let (server, fleet) = paced_under_a_stated_limit(&redis).await;
     let svc = stack(&fleet, policy());
     let one = || {
         svc.clone()

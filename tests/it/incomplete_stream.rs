@@ -250,6 +250,26 @@ async fn with_the_gate_off_a_cut_stream_is_still_an_error() {
     assert_eq!(err.unwrap().kind(), ErrorKind::IncompleteStream);
 }
 
+/// One request through `layer` to a server that always answers the event stream `raw`.
+async fn one_raw_stream(
+    raw: &'static str,
+    layer: RetryLayer,
+) -> (
+    MockServer,
+    http::Response<tower_llm_retry::RetryBody<hyper::body::Incoming>>,
+) {
+    let server = MockServer::start(Script::always(Reply::sse(vec![SseFrame::raw(raw)])))
+        .await
+        .unwrap();
+    let res = ServiceBuilder::new()
+        .layer(layer)
+        .service(http_client())
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    (server, res)
+}
+
 /// SSE counts a lone `\r` as a line end. A stream whose last event ends `\r\r` is whole at
 /// its end (no byte follows to say the `\r` was half of `\r\n`), and that last event is
 /// judged: a whole answer is no error, an in-band client error before output is not retried.
@@ -259,16 +279,8 @@ async fn a_stream_with_lone_cr_line_ends_is_judged_to_its_last_event() {
                  event: content_block_delta\rdata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\r\r\
                  event: message_stop\rdata: {\"type\":\"message_stop\"}\r\r";
     for gate in [true, false] {
-        let server = MockServer::start(Script::always(Reply::sse(vec![SseFrame::raw(whole)])))
-            .await
-            .unwrap();
-        let svc = ServiceBuilder::new()
-            .layer(RetryLayer::new().policy(exact_policy()).sse_gate(gate))
-            .service(http_client());
-        let res = svc
-            .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-            .await
-            .unwrap();
+        let layer = RetryLayer::new().policy(exact_policy()).sse_gate(gate);
+        let (server, res) = one_raw_stream(whole, layer).await;
         let (bytes, err) = drain(res.into_body()).await;
         assert!(err.is_none(), "gate {gate}: {err:?}");
         assert_eq!(bytes, Bytes::from_static(whole.as_bytes()));
@@ -276,15 +288,8 @@ async fn a_stream_with_lone_cr_line_ends_is_judged_to_its_last_event() {
     }
     let client_error = "event: message_start\rdata: {\"type\":\"message_start\",\"message\":{}}\r\r\
                         event: error\rdata: {\"type\":\"error\",\"error\":{\"type\":\"invalid_request_error\"}}\r\r";
-    let server = MockServer::start(Script::always(Reply::sse(vec![SseFrame::raw(
-        client_error,
-    )])))
-    .await
-    .unwrap();
-    let res = svc()
-        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
-        .await
-        .unwrap();
+    let (server, res) =
+        one_raw_stream(client_error, RetryLayer::new().policy(exact_policy())).await;
     let trail = res.extensions().get::<RetryTrail>().cloned().unwrap();
     assert_eq!(
         trail.attempts()[0].class,
