@@ -224,7 +224,11 @@ fn in_memory(c: &mut Criterion) {
         if case == "full_1k" {
             // What the retry budget's bookkeeping adds (a lock and a clock read per request).
             let mut no_budget = RetryLayer::new()
-                .fleet(tower_llm_retry::Fleet::builder().budget(None).build())
+                .fleet(
+                    tower_llm_retry::fleet::Fleet::builder()
+                        .budget(None)
+                        .build(),
+                )
                 .layer(Upstream);
             group.bench_function("ours_without_budget", |b| {
                 b.iter(|| call(&mut no_budget, request(Full::new(data.clone()))))
@@ -260,8 +264,7 @@ fn in_memory(c: &mut Criterion) {
 fn full_stack(
 ) -> impl Service<Request<Full<Bytes>>, Response = Response<impl Body>, Error = tower_llm_retry::Error>
 {
-    use tower_llm_retry::auth::ApiKey;
-    use tower_llm_retry::{AuthLayer, ContextOverflowLayer, ModelFallbackLayer};
+    use tower_llm_retry::{ApiKey, AuthLayer, ContextOverflowLayer, ModelFallbackLayer};
     tower::ServiceBuilder::new()
         .layer(RetryLayer::new())
         .layer(

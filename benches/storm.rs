@@ -84,11 +84,9 @@ use tokio::time::{Instant, Sleep};
 use tower::retry::backoff::{Backoff, ExponentialBackoff, ExponentialBackoffMaker, MakeBackoff};
 use tower::util::rng::HasherRng;
 use tower::{Layer, Service, ServiceExt};
-use tower_llm_retry::retry::Random;
-use tower_llm_retry::{
-    AttemptContext, BudgetConfig, Fleet, GateConfig, PacingConfig, ReplayBody, Retry, RetryLayer,
-    RetryPolicy,
-};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
+use tower_llm_retry::retry::{AttemptContext, Random, Retry};
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
 
 const CLIENTS: usize = 1_000;
 const SUCCESS_LATENCY: Duration = Duration::from_secs(2);

@@ -12,8 +12,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::continuation::{Continued, TruncatedToolCall};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{ContinuationLayer, Continued, ReplayBody, RetryLayer, TruncatedToolCall};
+use tower_llm_retry::{ContinuationLayer, ReplayBody, RetryLayer};
 
 fn answer(content: Value, stop: &str) -> Reply {
     Reply::success().json(json!({

@@ -16,10 +16,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthOutcome, RefreshingToken, Token};
+use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::mock::{MockServer, RecordedRequest, Reply, Script};
+use tower_llm_retry::overflow::{ContextWindowExceeded, OverflowRepaired};
 use tower_llm_retry::{
-    AuthLayer, ContextOverflowLayer, ContextWindowExceeded, ModelFallbackLayer, ModelUsed,
-    OverflowRepaired, ReplayBody, RetryLayer, RetryPolicy, RetryTrail,
+    AuthLayer, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer, RetryPolicy,
+    RetryTrail,
 };
 
 const BODY: &str = r#"{"model":"claude-opus-4-1","max_tokens":64000,"messages":[{"role":"user","content":"Summarise our conversation so far."}]}"#;

@@ -14,7 +14,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{ReplayBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy, RetryTrail};
+use tower_llm_retry::retry::{RetryEvent, RetryObserver};
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 /// Prints one line per retry, with the time since the example started.
 #[derive(Debug, Clone)]

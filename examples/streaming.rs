@@ -15,9 +15,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
-use tower_llm_retry::{
-    ReplayBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy, RetryTrail, StreamCommitted,
-};
+use tower_llm_retry::retry::{RetryEvent, RetryObserver};
+use tower_llm_retry::stream::StreamCommitted;
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 #[derive(Debug)]
 struct Print(Instant);

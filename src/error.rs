@@ -12,7 +12,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The error returned by the services of this crate.
 ///
-/// It is opaque: ask [`Error::kind`] (or the `is_*` helpers) what happened, walk
+/// It is opaque: ask [`Error::kind`] what happened, walk
 /// [`std::error::Error::source`] for the underlying cause, and read [`Error::trail`] for
 /// every attempt that was made. Its `Display` and `Debug` output never contain request
 /// headers or bodies, so it is safe to log.
@@ -52,16 +52,16 @@ pub enum ErrorKind {
     /// after the commit point, when nothing is re-sent).
     ResponseBody,
     /// The model was overloaded often enough that the caller should switch to another one.
-    /// The source is a [`FallbackTriggered`] naming both, also reachable through
-    /// [`Error::fallback_triggered`].
+    /// The source is a [`FallbackTriggered`](crate::fallback::FallbackTriggered) naming both.
     FallbackTriggered,
     /// The request's deadline ([`RetryPolicy::deadline`](crate::RetryPolicy::deadline))
     /// passed, or would pass, while it waited to start an attempt (at the cooldown gate, in
     /// the pacing line, or for the inner service to be ready), or while the loop was still
     /// reading the start of an answer's body to judge it (an error body, an event stream
-    /// before its first output). No attempt was started after it. The source is a
-    /// [`TimedOut`] of kind [`TimeoutKind::Deadline`]; the trail lists the attempts made,
-    /// the one whose answer was being read included.
+    /// before its first output). No attempt was started after it. The source's message names
+    /// the deadline; the trail lists the attempts made, the one whose answer was being read
+    /// included, and [gives up](RetryTrail::gave_up) with
+    /// [`GiveUpReason::Deadline`].
     DeadlineExceeded,
     /// An event stream of a known protocol (Anthropic Messages, OpenAI Chat Completions or
     /// Responses) ended cleanly after the commit point without its terminal event: a hop cut
@@ -160,82 +160,6 @@ impl Error {
     /// or downcast it by value.
     pub fn into_source(self) -> Option<BoxError> {
         self.inner.source
-    }
-
-    /// Returns true for [`ErrorKind::Exhausted`].
-    pub fn is_exhausted(&self) -> bool {
-        self.kind() == ErrorKind::Exhausted
-    }
-
-    /// Returns true for [`ErrorKind::Service`].
-    pub fn is_service(&self) -> bool {
-        self.kind() == ErrorKind::Service
-    }
-
-    /// Returns true for [`ErrorKind::BodyTooLarge`].
-    pub fn is_body_too_large(&self) -> bool {
-        self.kind() == ErrorKind::BodyTooLarge
-    }
-
-    /// Returns true for [`ErrorKind::BodyRead`].
-    pub fn is_body_read(&self) -> bool {
-        self.kind() == ErrorKind::BodyRead
-    }
-
-    /// Returns true for [`ErrorKind::Cancelled`].
-    pub fn is_cancelled(&self) -> bool {
-        self.kind() == ErrorKind::Cancelled
-    }
-
-    /// Returns true for [`ErrorKind::BudgetExhausted`].
-    pub fn is_budget_exhausted(&self) -> bool {
-        self.kind() == ErrorKind::BudgetExhausted
-    }
-
-    /// Returns true for [`ErrorKind::TokenRefresh`].
-    pub fn is_token_refresh(&self) -> bool {
-        self.kind() == ErrorKind::TokenRefresh
-    }
-
-    /// Returns true for [`ErrorKind::IdleTimeout`].
-    pub fn is_idle_timeout(&self) -> bool {
-        self.kind() == ErrorKind::IdleTimeout
-    }
-
-    /// Returns true for [`ErrorKind::ResponseBody`].
-    pub fn is_response_body(&self) -> bool {
-        self.kind() == ErrorKind::ResponseBody
-    }
-
-    /// Returns true for [`ErrorKind::FallbackTriggered`].
-    pub fn is_fallback_triggered(&self) -> bool {
-        self.kind() == ErrorKind::FallbackTriggered
-    }
-
-    /// Returns true for [`ErrorKind::DeadlineExceeded`].
-    pub fn is_deadline_exceeded(&self) -> bool {
-        self.kind() == ErrorKind::DeadlineExceeded
-    }
-
-    /// Returns true for [`ErrorKind::IncompleteStream`].
-    pub fn is_incomplete_stream(&self) -> bool {
-        self.kind() == ErrorKind::IncompleteStream
-    }
-
-    /// What was delivered of a stream cut before its end, for an
-    /// [`ErrorKind::IncompleteStream`] error.
-    pub fn incomplete_stream(&self) -> Option<&crate::stream::IncompleteStream> {
-        self.inner.source.as_ref()?.downcast_ref()
-    }
-
-    /// Returns true for [`ErrorKind::PacingWaitTooLong`].
-    pub fn is_pacing_wait_too_long(&self) -> bool {
-        self.kind() == ErrorKind::PacingWaitTooLong
-    }
-
-    /// The models to switch between, for an [`ErrorKind::FallbackTriggered`] error.
-    pub fn fallback_triggered(&self) -> Option<&FallbackTriggered> {
-        self.inner.source.as_ref()?.downcast_ref()
     }
 
     /// Errors that an inner layer raises as its final word on the request: the retry loop
@@ -361,7 +285,9 @@ pub enum GiveUpReason {
     PacingWaitTooLong,
 }
 
-/// A per-attempt timeout fired: no response head in time, or a body went quiet.
+/// A per-attempt timeout fired: no response head in time, or a body went quiet. (The
+/// request's deadline is not one of them: it ends the request with
+/// [`ErrorKind::DeadlineExceeded`].)
 ///
 /// Found as the source (or in the source chain) of the failure it caused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -378,8 +304,6 @@ pub enum TimeoutKind {
     Head,
     /// No body frame arrived in time.
     Idle,
-    /// The request's total deadline passed.
-    Deadline,
 }
 
 impl TimedOut {
@@ -403,12 +327,25 @@ impl fmt::Display for TimedOut {
         match self.what {
             TimeoutKind::Head => write!(f, "no response head within {:?}", self.after),
             TimeoutKind::Idle => write!(f, "response body idle for {:?}", self.after),
-            TimeoutKind::Deadline => write!(f, "request deadline of {:?} reached", self.after),
         }
     }
 }
 
 impl std::error::Error for TimedOut {}
+
+/// The source of an [`ErrorKind::DeadlineExceeded`] error, and the cause recorded for an
+/// attempt whose answer the deadline cut off. Not public: the kind says what happened, this
+/// only puts the deadline in the message.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeadlineReached(pub(crate) Duration);
+
+impl fmt::Display for DeadlineReached {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request deadline of {:?} reached", self.0)
+    }
+}
+
+impl std::error::Error for DeadlineReached {}
 
 /// One failed attempt, as recorded in a [`RetryTrail`].
 #[derive(Debug, Clone, PartialEq)]
@@ -499,7 +436,7 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
         let err = Error::new(ErrorKind::Exhausted).with_source(io);
         assert_eq!(err.to_string(), "every allowed attempt failed");
-        assert!(err.is_exhausted());
+        assert_eq!(err.kind(), ErrorKind::Exhausted);
         let src = std::error::Error::source(&err).unwrap();
         assert_eq!(src.to_string(), "reset by peer");
     }
@@ -510,17 +447,16 @@ mod tests {
             "claude-opus-4-1",
             "claude-sonnet-4-5",
         ));
-        assert!(err.is_fallback_triggered());
+        assert_eq!(err.kind(), ErrorKind::FallbackTriggered);
         assert!(err.is_final());
-        let f = err.fallback_triggered().unwrap();
+        let f = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<FallbackTriggered>())
+            .unwrap();
         assert_eq!(
             (f.from.as_str(), f.to.as_str()),
             ("claude-opus-4-1", "claude-sonnet-4-5")
         );
         assert_eq!(ErrorKind::FallbackTriggered.as_str(), "fallback_triggered");
-        assert!(Error::new(ErrorKind::Exhausted)
-            .fallback_triggered()
-            .is_none());
     }
 
     #[test]

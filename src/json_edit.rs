@@ -10,19 +10,6 @@
 //! Every function answers `None` rather than guess when the body is not exactly one JSON
 //! object, lacks the key, or names it more than once; the layers built on them then pass the
 //! request through untouched.
-//!
-//! ```
-//! use tower_llm_retry::json_edit;
-//!
-//! let body = br#"{ "model" : "claude-opus-4-1", "max_tokens":8192,"messages":[]}"#;
-//! let edited = json_edit::replace_value(body, "model", "claude-sonnet-4-5").unwrap();
-//! assert_eq!(
-//!     &edited[..],
-//!     br#"{ "model" : "claude-sonnet-4-5", "max_tokens":8192,"messages":[]}"#
-//! );
-//! assert_eq!(json_edit::read_value::<u64>(&edited, "max_tokens"), Some(8192));
-//! assert_eq!(json_edit::replace_value(b"[1, 2]", "model", "x"), None);
-//! ```
 
 use std::fmt;
 use std::ops::Range;
@@ -37,7 +24,7 @@ use serde_json::value::RawValue;
 /// `None` when `json` is not a single JSON object (surrounding whitespace aside), when it has
 /// no such key, or when the key appears more than once (which value a server would read is
 /// then anyone's guess). Keys are compared after unescaping, so `"mod\u0065l"` is `model`.
-pub fn value_span(json: &[u8], key: &str) -> Option<Range<usize>> {
+pub(crate) fn value_span(json: &[u8], key: &str) -> Option<Range<usize>> {
     let mut de = serde_json::Deserializer::from_slice(json);
     let found = de.deserialize_map(FindKey { key }).ok()?;
     de.end().ok()?;
@@ -50,7 +37,7 @@ pub fn value_span(json: &[u8], key: &str) -> Option<Range<usize>> {
 
 /// Reads the value of the top-level `key` as a `T`; `None` in the cases of [`value_span`] and
 /// when the value is not a `T`.
-pub fn read_value<'a, T: Deserialize<'a>>(json: &'a [u8], key: &str) -> Option<T> {
+pub(crate) fn read_value<'a, T: Deserialize<'a>>(json: &'a [u8], key: &str) -> Option<T> {
     let span = value_span(json, key)?;
     serde_json::from_slice(&json[span]).ok()
 }
@@ -58,7 +45,11 @@ pub fn read_value<'a, T: Deserialize<'a>>(json: &'a [u8], key: &str) -> Option<T
 /// `json` with the value of the top-level `key` replaced by `value`, serialized compactly;
 /// every byte outside that value's span is kept. `None` in the cases of [`value_span`] and
 /// when `value` cannot be serialized.
-pub fn replace_value<T: Serialize + ?Sized>(json: &[u8], key: &str, value: &T) -> Option<Bytes> {
+pub(crate) fn replace_value<T: Serialize + ?Sized>(
+    json: &[u8],
+    key: &str,
+    value: &T,
+) -> Option<Bytes> {
     let span = value_span(json, key)?;
     let new = serde_json::to_vec(value).ok()?;
     let mut out = Vec::with_capacity(json.len() - span.len() + new.len());
@@ -124,6 +115,18 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use serde_json::{json, Map, Value};
+
+    #[test]
+    fn edits_one_value_and_reads_another() {
+        let body = br#"{ "model" : "claude-opus-4-1", "max_tokens":8192,"messages":[]}"#;
+        let edited = replace_value(body, "model", "claude-sonnet-4-5").unwrap();
+        assert_eq!(
+            &edited[..],
+            br#"{ "model" : "claude-sonnet-4-5", "max_tokens":8192,"messages":[]}"#
+        );
+        assert_eq!(read_value::<u64>(&edited, "max_tokens"), Some(8192));
+        assert_eq!(replace_value(b"[1, 2]", "model", "x"), None);
+    }
 
     #[test]
     fn replaces_only_the_value() {

@@ -57,7 +57,8 @@
 //!   `401` (single-flight), and rotation through a key pool on rate limits.
 //!
 //! The two that rewrite the body change one top-level JSON value and leave every other byte as
-//! it was ([`json_edit`]), so prompt caches still match. Each also works on its own, buffering
+//! it was (keys keep their order, strings their escapes, numbers their form), so prompt caches
+//! still match. Each also works on its own, buffering
 //! the body itself. Their re-sends happen within one `RetryLayer` attempt, so they are not
 //! counted as retries.
 //!
@@ -92,7 +93,8 @@
 //! requests cannot multiply an outage, a cooldown gate that holds every request while the
 //! server has said "come back at T", and an adaptive pacing that, from the server's first
 //! rate-limit signal, spreads attempts at the rate the server admits; each kept per upstream
-//! and credential. Several layers share them when given one [`Fleet`]. See [`fleet`].
+//! and credential. Several layers share them when given one [`Fleet`](fleet::Fleet). See
+//! [`fleet`].
 //!
 //! # Defaults
 //!
@@ -110,27 +112,32 @@
 //!   ([attempt numbers](retry#attempt-numbers)).
 //! - **Configuration** types are built by chained setters named after the setting
 //!   (`max_retries(n)`). A setting that is read back has a getter named `get_` and the
-//!   setting (`get_max_retries()`): [`RetryPolicy`] has one for every setting, and
-//!   [`BudgetConfig`], [`PacingConfig`] and [`Target`] for theirs; [`Fleet`] reads its state
-//!   back by name ([`Fleet::budget_stats`], [`Fleet::pace`], …); layers are not read back.
+//!   setting (`get_ttl()`): [`BudgetConfig`](fleet::BudgetConfig),
+//!   [`PacingConfig`](fleet::PacingConfig) and [`Target`](fallback::Target) have them for
+//!   theirs; a [`Fleet`](fleet::Fleet) reads its state back by name
+//!   ([`budget_stats`](fleet::Fleet::budget_stats), [`pace`](fleet::Fleet::pace), …);
+//!   a [`RetryPolicy`] and the layers are not read back (their `Debug` shows them). One
+//!   request changes the settings it names with a [`retry::Override`].
 //!   A setter returns
 //!   `Result<Self, ConfigError>` exactly when its value can be wrong on its own (a multiplier
 //!   below 1, a jitter fraction above 1, an empty fallback chain), and fails at that call,
-//!   naming the setting. The one exception is [`Circuit`], a value checked as a whole when
+//!   naming the setting. The one exception is [`Circuit`](fallback::Circuit), a value checked as a whole when
 //!   [`ModelFallbackLayer::circuit`] takes it. Two settings that bound each other never fail:
 //!   the bound wins (an `initial_backoff` above `max_backoff` backs off by `max_backoff`, a
 //!   circuit's `max_cooldown` below its `cooldown` does not double it).
 //! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
 //!   `x::ResponseFuture`.
-//! - Every public type is re-exported at the crate root, except the modules' futures and the
-//!   [`mock`] server.
+//! - **Paths**: every public item has one path. The crate root holds what a first stack
+//!   names (the layers, [`RetryPolicy`], the bodies, the error and the trail); everything else
+//!   lives in its module: [`retry`], [`classify`], [`stream`], [`fleet`], [`auth`],
+//!   [`fallback`], [`overflow`], [`continuation`], [`mcp`].
 //!
 //! # Results and errors
 //!
 //! - A request that ends with an HTTP response returns it (also when retries ran out, as
 //!   `tower::retry` does), with a [`RetryTrail`] extension whenever any attempt failed: per
 //!   attempt its class, status, `Retry-After`, sleep, error chain and elapsed time, plus why the
-//!   loop stopped ([`GiveUpReason`]).
+//!   loop stopped ([`GiveUpReason`](retry::GiveUpReason)).
 //! - Otherwise the error is one opaque [`Error`]; [`Error::kind`] says what happened
 //!   ([`ErrorKind`] lists every kind, each with when it occurs), [`Error::trail`] gives the
 //!   attempts, and `source()` the cause. Which give-up ends in which kind is in
@@ -155,7 +162,7 @@
 //!   `http.request.resend_count` on retries, `http.response.status_code`, `error.type`,
 //!   `gen_ai.request.model`). An `INFO` event before each retry, a `WARN` event on giving up.
 //!   `cargo run --example otel_tracing` prints them.
-//! - [`RetryObserver`]: `on_retry(&RetryEvent)` before each sleep, `on_recovered(total_attempts)`,
+//! - [`RetryObserver`](retry::RetryObserver): `on_retry(&RetryEvent)` before each sleep, `on_recovered(total_attempts)`,
 //!   `on_give_up(&RetryTrail)`.
 //! - The companion layers log `INFO` events when they act (a refresh after `401`, a key
 //!   rotation, a fallback model, a `max_tokens` repair); [`ModelFallbackLayer`] opens an
@@ -188,13 +195,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod auth;
-pub mod body;
+mod body;
 pub mod classify;
 pub mod continuation;
 mod error;
 pub mod fallback;
 pub mod fleet;
-pub mod json_edit;
+mod json_edit;
 pub mod mcp;
 pub mod overflow;
 mod pipeline;
@@ -214,44 +221,15 @@ pub mod reqwest;
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
 pub mod reqwest_middleware;
 
-pub use crate::auth::{
-    ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, Credential, CredentialFuture,
-    CredentialHeader, InvalidCredential, RefreshingToken, Token, TokenSource,
-};
+// The names a first stack needs; everything else has its one path in its module.
+pub use crate::auth::api_key::ApiKey;
+pub use crate::auth::layer::AuthLayer;
 pub use crate::body::ReplayBody;
-pub use crate::classify::{
-    default_sse_verdict, Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
-    SseVerdict, WallClock,
-};
-pub use crate::continuation::{
-    Continuation, ContinuationBody, ContinuationLayer, Continued, TruncatedToolCall,
-};
-pub use crate::error::{
-    AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
-    TimedOut, TimeoutKind,
-};
-pub use crate::fallback::{
-    Circuit, CircuitState, FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed, Target,
-    TargetAttempts, TargetStatus,
-};
-pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfig, PacingConfig};
-#[cfg(feature = "fleet-redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "fleet-redis")))]
-pub use crate::fleet::{RedisFleet, RedisState};
-pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
-pub use crate::overflow::{
-    ContextOverflow, ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired,
-};
-#[cfg(feature = "reqwest")]
-#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
-pub use crate::reqwest::ReqwestService;
-#[cfg(feature = "reqwest-middleware")]
-#[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
-pub use crate::reqwest_middleware::RetryMiddleware;
-pub use crate::retry::{
-    AboveCeiling, AttemptContext, ConfigError, Jitter, NoRetry, NotReplaySafe, Random, Retry,
-    RetryBody, RetryEvent, RetryLayer, RetryObserver, RetryPolicy,
-};
-pub use crate::stream::{
-    CommitReason, IncompleteStream, OutputTruncated, SseEvent, StreamCommitted, StreamProtocol,
-};
+pub use crate::continuation::layer::ContinuationLayer;
+pub use crate::error::{BoxError, ConfigError, Error, ErrorKind, RetryTrail};
+pub use crate::fallback::layer::ModelFallbackLayer;
+pub use crate::mcp::layer::McpGateLayer;
+pub use crate::overflow::layer::ContextOverflowLayer;
+pub use crate::pipeline::RetryBody;
+pub use crate::retry::layer::RetryLayer;
+pub use crate::retry::policy::RetryPolicy;

@@ -44,7 +44,7 @@ use crate::body::ReplayBody;
 ///
 /// Its response body is `reqwest::Body`, which streams. Errors are `reqwest::Error`; a
 /// connect error (`is_connect()`) is recognised as "request never sent", so even requests
-/// marked [`NotReplaySafe`](crate::NotReplaySafe) are retried after one.
+/// marked [`NotReplaySafe`](crate::retry::NotReplaySafe) are retried after one.
 #[derive(Debug, Clone, Default)]
 pub struct ReqwestService {
     client: reqwest::Client,

@@ -25,19 +25,19 @@
 //! The same classification, `Retry-After` handling, SSE gate, trail and observer apply as with
 //! [`RetryLayer`]: the middleware runs the layer's retry loop around the rest of the
 //! middleware chain. The [`RetryTrail`](crate::RetryTrail) and
-//! [`StreamCommitted`](crate::StreamCommitted) extensions are on the returned
+//! [`StreamCommitted`](crate::stream::StreamCommitted) extensions are on the returned
 //! `reqwest::Response` (`response.extensions()`).
 //!
 //! # Per-request settings
 //!
-//! [`NotReplaySafe`], [`NoRetry`] and a per-request [`RetryPolicy`] are read from the
-//! middleware `Extensions` (`RequestBuilder::with_extension`, or a middleware earlier in the
-//! chain), and from the request's own extensions (those of an `http::Request` turned into a
-//! `reqwest::Request` with `try_from`). When both hold a `RetryPolicy`, the one in the
-//! middleware `Extensions` is used.
+//! [`NotReplaySafe`], [`NoRetry`], an [`Override`] and a per-request [`RetryPolicy`] are read
+//! from the middleware `Extensions` (`RequestBuilder::with_extension`, or a middleware earlier
+//! in the chain), and from the request's own extensions (those of an `http::Request` turned
+//! into a `reqwest::Request` with `try_from`). When both hold a `RetryPolicy` (or an
+//! `Override`), the one in the middleware `Extensions` is used.
 //!
 //! ```no_run
-//! use tower_llm_retry::NotReplaySafe;
+//! use tower_llm_retry::retry::NotReplaySafe;
 //!
 //! # use reqwest_middleware::{ClientWithMiddleware, Result};
 //! # async fn run(client: ClientWithMiddleware) -> Result<()> {
@@ -74,7 +74,9 @@ use tower_service::Service;
 use crate::body::ReplayBody;
 use crate::classify::{Classify, DefaultClassifier};
 use crate::error::{Error, ErrorKind};
-use crate::retry::{Config, NoRetry, NotReplaySafe, ResponseFuture, RetryLayer, RetryPolicy};
+use crate::retry::{
+    Config, NoRetry, NotReplaySafe, Override, ResponseFuture, RetryLayer, RetryPolicy,
+};
 
 /// Runs [`RetryLayer`]'s retry loop around the rest of a reqwest-middleware chain.
 ///
@@ -216,7 +218,8 @@ where
 }
 
 /// Adds the markers set the reqwest-middleware way (`RequestBuilder::with_extension`, or an
-/// earlier middleware) to those the request itself carries. A `RetryPolicy` in `from` wins.
+/// earlier middleware) to those the request itself carries. A `RetryPolicy` or an `Override` in
+/// `from` wins.
 fn add_markers(from: &Extensions, to: &mut Extensions) {
     if from.get::<NotReplaySafe>().is_some() {
         to.insert(NotReplaySafe);
@@ -226,6 +229,9 @@ fn add_markers(from: &Extensions, to: &mut Extensions) {
     }
     if let Some(policy) = from.get::<RetryPolicy>() {
         to.insert(policy.clone());
+    }
+    if let Some(changes) = from.get::<Override>() {
+        to.insert(*changes);
     }
 }
 

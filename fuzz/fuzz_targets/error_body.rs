@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tower_llm_retry::{Classify, DefaultClassifier};
+use tower_llm_retry::classify::{Classify, DefaultClassifier};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&code, body)) = data.split_first() else {

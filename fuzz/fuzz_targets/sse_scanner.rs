@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tower_llm_retry::stream::SseScanner;
-use tower_llm_retry::{Classify, DefaultClassifier};
+use tower_llm_retry::classify::{Classify, DefaultClassifier};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&cut, stream)) = data.split_first() else {

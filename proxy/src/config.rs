@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tower_llm_retry::fleet::RedisFleet;
-use tower_llm_retry::{BudgetConfig, Fleet, FleetBuilder, RetryPolicy};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder};
+use tower_llm_retry::RetryPolicy;
 
 /// The prefix of every environment variable the proxy reads.
 pub const ENV_PREFIX: &str = "LLM_RETRY_PROXY_";

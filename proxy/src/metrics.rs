@@ -10,7 +10,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tower_llm_retry::{GiveUpReason, RetryEvent, RetryObserver, RetryTrail};
+use tower_llm_retry::retry::{GiveUpReason, RetryEvent, RetryObserver};
+use tower_llm_retry::RetryTrail;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Up {

@@ -23,7 +23,9 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
-use tower_llm_retry::{BoxError, ErrorKind, GiveUpReason, ModelUsed, NoRetry, RetryTrail};
+use tower_llm_retry::fallback::ModelUsed;
+use tower_llm_retry::retry::{GiveUpReason, NoRetry};
+use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
 use crate::body::ProxyBody;
 use crate::config::{load_keys, Config, ConfigError, Kind, Preset, Secret};

@@ -23,10 +23,10 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
+use tower_llm_retry::auth::{ApiKeyPool, CredentialHeader};
 use tower_llm_retry::fleet::RedisFleet;
 use tower_llm_retry::{
-    ApiKeyPool, AuthLayer, BoxError, ContextOverflowLayer, CredentialHeader, ModelFallbackLayer,
-    ReplayBody, RetryLayer,
+    AuthLayer, BoxError, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer,
 };
 
 use crate::config::{ConfigError, Kind, Roots, Upstream};

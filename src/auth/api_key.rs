@@ -13,7 +13,8 @@ use super::{Credential, CredentialFuture, CredentialHeader, InvalidCredential, T
 /// never shows the key.
 ///
 /// ```
-/// use tower_llm_retry::auth::{ApiKey, CredentialHeader};
+/// use tower_llm_retry::ApiKey;
+/// use tower_llm_retry::auth::CredentialHeader;
 ///
 /// # fn main() -> Result<(), tower_llm_retry::auth::InvalidCredential> {
 /// let anthropic = ApiKey::new("sk-ant-api03-...")?; // x-api-key: sk-ant-api03-...

@@ -25,7 +25,7 @@ const MAX_ROTATIONS: u32 = 16;
 use crate::pipeline::ResBodyOf;
 
 /// Request extension: the credential source of the fallback target this request goes to,
-/// used by [`AuthLayer`](super::AuthLayer) instead of its own.
+/// used by [`AuthLayer`](crate::AuthLayer) instead of its own.
 #[derive(Clone)]
 pub(crate) struct TargetCredential(pub(crate) Arc<dyn TokenSource>);
 

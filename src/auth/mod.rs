@@ -49,7 +49,7 @@
 //! use http::{Request, Response};
 //! use http_body_util::Full;
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_llm_retry::auth::{ApiKey, AuthLayer};
+//! use tower_llm_retry::{ApiKey, AuthLayer};
 //! use tower_llm_retry::{ReplayBody, RetryLayer};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -75,7 +75,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_llm_retry::auth::{ApiKeyPool, AuthLayer, CredentialHeader, RefreshingToken, Token};
+//! use tower_llm_retry::AuthLayer;
+//! use tower_llm_retry::auth::{ApiKeyPool, CredentialHeader, RefreshingToken, Token};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // Several keys for one provider, moved between on rate limits.
@@ -102,22 +103,24 @@
 //! able to re-send it; a body that could not be buffered is sent once with its credential and
 //! never re-sent.
 
-mod api_key;
+pub(crate) mod api_key;
 mod credential;
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod refresh;
 mod service;
 
-pub use self::api_key::{ApiKey, ApiKeyPool};
+// The layer and `ApiKey` are public at the crate root only; imported here for the docs.
+pub use self::api_key::ApiKeyPool;
 pub use self::credential::{
     Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource,
 };
 pub use self::future::ResponseFuture;
 pub(crate) use self::future::TargetCredential;
-pub use self::layer::AuthLayer;
 pub use self::refresh::{RefreshingToken, Token};
 pub use self::service::Auth;
+#[cfg(doc)]
+use crate::{ApiKey, AuthLayer};
 
 /// Response extension: what [`AuthLayer`] did to get this response.
 ///

@@ -103,7 +103,7 @@ type Fetch =
 /// use tower_llm_retry::auth::{RefreshingToken, Token};
 ///
 /// # async fn fetch_from_identity_provider() -> Result<(String, u64), std::io::Error> { Ok(("t".into(), 3600)) }
-/// # fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+/// # fn main() -> Result<(), tower_llm_retry::ConfigError> {
 /// let source = RefreshingToken::new(|| async {
 ///     let (access_token, expires_in) = fetch_from_identity_provider().await?;
 ///     Ok::<_, std::io::Error>(Token::new(access_token).expires_in(Duration::from_secs(expires_in)))

@@ -56,7 +56,7 @@
 //!
 //! | signal | proves not processed? | what the retry loop does |
 //! |---|---|---|
-//! | `RST_STREAM` with `REFUSED_STREAM` | yes | re-sent at once (no backoff), once per attempt, even when [`NotReplaySafe`](crate::NotReplaySafe); not counted as a retry, no budget drawn; the trail records class `NotProcessed` |
+//! | `RST_STREAM` with `REFUSED_STREAM` | yes | re-sent at once (no backoff), once per attempt, even when [`NotReplaySafe`](crate::retry::NotReplaySafe); not counted as a retry, no budget drawn; the trail records class `NotProcessed` |
 //! | `GOAWAY`, stream above its last stream id | yes (h2 fails exactly those streams with the `GOAWAY` error) | as above |
 //! | a request hyper canceled before writing a byte of it (queued on a connection that closed) | yes, on HTTP/1.1 too | as above |
 //! | `RST_STREAM` with `INTERNAL_ERROR` or `CANCEL`, a connection dropped mid-stream, a stream at or below the `GOAWAY` id that the connection's end cut | no | ordinary rules: retried as `Transport` unless `NotReplaySafe` |
@@ -65,7 +65,7 @@
 //! rules; a proof still counts as "not sent" ([`Classify::request_not_sent`], which also counts a
 //! refused connection, a hyper-util connect error and [`RequestNotSent`]), so even a
 //! `NotReplaySafe` request is retried, with backoff. A request allowed no retries
-//! ([`NoRetry`](crate::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps no copy
+//! ([`NoRetry`](crate::retry::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps no copy
 //! and is sent exactly once.
 //!
 //! hyper-util's legacy client also re-sends by itself, when `retry_canceled_requests` is on (its
@@ -151,7 +151,7 @@ pub enum FailureClass {
     /// HTTP/2 proved the server never processed the request: its stream was refused
     /// (`RST_STREAM` with `REFUSED_STREAM`) or was above the last stream id of a `GOAWAY`.
     /// Re-sent at once, once per attempt, even when the request is
-    /// [`NotReplaySafe`](crate::NotReplaySafe) (see [`never_processed`]).
+    /// [`NotReplaySafe`](crate::retry::NotReplaySafe) (see [`never_processed`]).
     NotProcessed,
 }
 
@@ -284,7 +284,7 @@ pub trait Classify: Send + Sync + 'static {
 
     /// Whether this error proves the request never reached the server (the connection was
     /// refused, or a service said so with [`RequestNotSent`]). Only such failures are retried
-    /// for requests marked [`NotReplaySafe`](crate::NotReplaySafe).
+    /// for requests marked [`NotReplaySafe`](crate::retry::NotReplaySafe).
     fn request_not_sent(&self, error: &(dyn std::error::Error + 'static)) -> bool {
         request_not_sent(error)
     }
@@ -440,7 +440,7 @@ pub(crate) fn overloaded_by(status: StatusCode, signal: Option<BodySignal>) -> b
 }
 
 /// An error a service may return (anywhere in its source chain) to say the request was never
-/// sent, so even a request marked [`NotReplaySafe`](crate::NotReplaySafe) may be retried.
+/// sent, so even a request marked [`NotReplaySafe`](crate::retry::NotReplaySafe) may be retried.
 #[derive(Debug, Default)]
 pub struct RequestNotSent {
     _priv: (),

@@ -20,7 +20,7 @@ pub enum SseVerdict {
 }
 
 /// The default judgement of one SSE event, used by
-/// [`DefaultClassifier`](crate::DefaultClassifier).
+/// [`DefaultClassifier`](crate::classify::DefaultClassifier).
 pub fn default_sse_verdict(event: &SseEvent<'_>) -> SseVerdict {
     let name = event.event.as_deref();
     match name {

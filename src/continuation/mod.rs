@@ -15,18 +15,17 @@
 //! ```
 //!
 //! - Every follow-up is the request before it with two turns appended to `messages`; every
-//!   other byte is sent as it was (see [`json_edit`](crate::json_edit)), so prompt caches match
-//!   and each round's prefix is the previous round's request. The original request is never
-//!   sent again as it was.
+//!   other byte is sent as it was, so prompt caches match and each round's prefix is the
+//!   previous round's request. The original request is never sent again as it was.
 //! - Up to [`max_rounds`](ContinuationLayer::max_rounds) follow-ups (3 by default); the
-//!   response then carries [`Continued`] (and [`OutputTruncated`](crate::OutputTruncated)
+//!   response then carries [`Continued`] (and [`OutputTruncated`](crate::stream::OutputTruncated)
 //!   when even the last round stopped at the limit).
 //! - The stitched body is the last round's body with its text preceded by every earlier
 //!   round's (Anthropic: merged into the first text block; OpenAI: `choices[0].message.content`),
 //!   `usage` summed field by field, and a `content-length` that matches.
 //! - A tool call cut at the limit (a `tool_use` block, a `tool_calls` entry) is never continued
 //!   and must never be run: the response comes back as it is, with [`TruncatedToolCall`] and
-//!   [`OutputTruncated`](crate::OutputTruncated) extensions.
+//!   [`OutputTruncated`](crate::stream::OutputTruncated) extensions.
 //! - Streaming requests (`"stream": true`) and `text/event-stream` responses pass through
 //!   untouched: build their follow-up with [`follow_up_body`] and send it yourself.
 //! - A follow-up that fails (an error, a non-2xx status, a body that is not an answer) ends the
@@ -41,7 +40,8 @@
 //! use http::{Request, Response};
 //! use http_body_util::Full;
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_llm_retry::{Continued, ContinuationLayer, ReplayBody, RetryLayer, TruncatedToolCall};
+//! use tower_llm_retry::{ContinuationLayer, ReplayBody, RetryLayer};
+//! use tower_llm_retry::continuation::{Continued, TruncatedToolCall};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_llm_retry::BoxError> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
@@ -98,14 +98,16 @@
 
 mod body;
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod service;
 mod stitch;
 
 pub use self::body::ContinuationBody;
 pub use self::future::ResponseFuture;
-pub use self::layer::ContinuationLayer;
 pub use self::service::Continuation;
+// The layer is public at the crate root only; imported here for the docs.
+#[cfg(doc)]
+use crate::ContinuationLayer;
 
 use bytes::Bytes;
 

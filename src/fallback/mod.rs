@@ -7,8 +7,8 @@
 //! the retry loop carries for it (every failed attempt of the request, its class, whether it
 //! timed out), where each attempt goes. Once a trigger fires (by default: 3 overloads in a
 //! row) the next attempt goes to the next target of the chain: the top-level `"model"` of the
-//! JSON body is replaced and every other byte is left as it was (see
-//! [`json_edit`](crate::json_edit)), so the prompt cache still matches the prefix. A target
+//! JSON body is replaced and every other byte is left as it was (keys in their order, strings
+//! with their escapes), so the prompt cache still matches the prefix. A target
 //! can also be another upstream with its own credential ([`Target`]), and each target can
 //! have a [`Circuit`] shared by every request of the layer.
 //!
@@ -27,7 +27,8 @@
 //! use http::{Request, Response};
 //! use http_body_util::Full;
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_llm_retry::{ModelFallbackLayer, ModelUsed, ReplayBody, RetryLayer};
+//! use tower_llm_retry::{ModelFallbackLayer, ReplayBody, RetryLayer};
+//! use tower_llm_retry::fallback::ModelUsed;
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
@@ -51,9 +52,10 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_llm_retry::fallback::{FallbackMode, ModelFallbackLayer};
+//! use tower_llm_retry::ModelFallbackLayer;
+//! use tower_llm_retry::fallback::FallbackMode;
 //!
-//! # fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+//! # fn main() -> Result<(), tower_llm_retry::ConfigError> {
 //! // Fall back after 2 overloads, and keep using the fallback for five minutes before the
 //! // primary is tried again.
 //! let sticky = ModelFallbackLayer::new(["claude-sonnet-4-5"])?
@@ -68,7 +70,7 @@
 //!
 //! In [`FallbackMode::Signal`] the attempt that reaches the threshold ends the request with
 //! an [`Error`](crate::Error) of kind [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)
-//! whose [`fallback_triggered`](crate::Error::fallback_triggered) names both models; the
+//! whose source, a [`FallbackTriggered`], names both models; the
 //! overloaded response is dropped and `RetryLayer` returns the error as it is.
 //!
 //! # Configuration
@@ -144,8 +146,9 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_llm_retry::auth::ApiKey;
-//! use tower_llm_retry::fallback::{Circuit, ModelFallbackLayer, Target};
+//! use tower_llm_retry::ApiKey;
+//! use tower_llm_retry::ModelFallbackLayer;
+//! use tower_llm_retry::fallback::{Circuit, Target};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let layer = ModelFallbackLayer::new([
@@ -164,7 +167,7 @@
 //!
 //! A target's [`upstream`](Target::upstream) replaces the request URI's scheme, authority and
 //! path prefix (the path and query follow the prefix); its
-//! [`credential`](Target::credential) is used by the [`AuthLayer`](crate::auth::AuthLayer)
+//! [`credential`](Target::credential) is used by the [`AuthLayer`](crate::AuthLayer)
 //! inside this layer in place of its own, so the primary's key never goes to the other
 //! upstream. Without an `AuthLayer` inside, a target's credential source is not applied.
 //! [`ModelUsed`] says which model and upstream served and how many attempts each target took.
@@ -177,7 +180,8 @@
 //! ```
 //! use std::time::Duration;
 //! use tower::ServiceBuilder;
-//! use tower_llm_retry::fallback::{Circuit, ModelFallbackLayer};
+//! use tower_llm_retry::ModelFallbackLayer;
+//! use tower_llm_retry::fallback::Circuit;
 //! use tower_llm_retry::{RetryLayer, RetryPolicy};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -241,15 +245,19 @@
 
 mod circuit;
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod service;
 mod target;
 
 pub use self::circuit::{Circuit, CircuitState};
 pub use self::future::ResponseFuture;
-pub use self::layer::{ModelFallbackLayer, TargetStatus};
+// The layer is public at the crate root only; imported here for the docs.
+pub use self::layer::TargetStatus;
 pub use self::service::ModelFallback;
 pub use self::target::Target;
+pub use crate::error::FallbackTriggered;
+#[cfg(doc)]
+use crate::ModelFallbackLayer;
 
 /// What [`ModelFallbackLayer`] does once the threshold is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -22,7 +22,7 @@ use crate::error::ConfigError;
 /// the new authority. Every other header is sent as it was.
 ///
 /// ```
-/// use tower_llm_retry::auth::ApiKey;
+/// use tower_llm_retry::ApiKey;
 /// use tower_llm_retry::fallback::Target;
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -71,7 +71,7 @@ impl Target {
     }
 
     /// The credential source for this target's requests, used by the
-    /// [`AuthLayer`](crate::auth::AuthLayer) inside the fallback layer instead of its own
+    /// [`AuthLayer`](crate::AuthLayer) inside the fallback layer instead of its own
     /// (refresh on `401` and pool rotation included). Without one, a target on another
     /// upstream is sent the credential of the `AuthLayer` inside (or the caller's own
     /// headers). Defaults to none.

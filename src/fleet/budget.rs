@@ -16,7 +16,7 @@ use crate::error::ConfigError;
 /// second for a fleet that sends little. In any window of `ttl`, at most
 /// [`max_retries`](BudgetConfig::max_retries) retries are allowed. A retry the budget refuses is
 /// not made: the last response is returned with a [`RetryTrail`](crate::RetryTrail) whose
-/// [`gave_up`](crate::RetryTrail::gave_up) is [`GiveUpReason::Budget`](crate::GiveUpReason),
+/// [`gave_up`](crate::RetryTrail::gave_up) is [`GiveUpReason::Budget`](crate::retry::GiveUpReason),
 /// or, when the last attempt got no response, the error is
 /// [`ErrorKind::BudgetExhausted`](crate::ErrorKind::BudgetExhausted).
 ///

@@ -89,7 +89,7 @@
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
 //! last response comes back as it is, its [`RetryTrail`](crate::RetryTrail) saying
-//! [`GiveUpReason::Budget`](crate::GiveUpReason::Budget); a transport error becomes
+//! [`GiveUpReason::Budget`](crate::retry::GiveUpReason::Budget); a transport error becomes
 //! [`ErrorKind::BudgetExhausted`](crate::ErrorKind::BudgetExhausted). What these settings do
 //! to a fleet of 1,000 clients is measured by the storm bench (`cargo bench --bench storm`).
 //!
@@ -100,7 +100,7 @@
 //! use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
 //! use tower_llm_retry::RetryLayer;
 //!
-//! # fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+//! # fn main() -> Result<(), tower_llm_retry::ConfigError> {
 //! // One fleet per API key, built once.
 //! let fleet = Fleet::builder()
 //!     .budget(Some(BudgetConfig::new(Duration::from_secs(10), 5, 0.1)?))
@@ -167,7 +167,7 @@
 use tower_llm_retry::fleet::{Fleet, GateConfig, RedisFleet};
 use tower_llm_retry::RetryLayer;
 
-# fn main() -> Result<(), tower_llm_retry::retry::ConfigError> {
+# fn main() -> Result<(), tower_llm_retry::ConfigError> {
 let store = RedisFleet::from_url("redis://127.0.0.1:6379/")?
     .scope("api.anthropic.com", b"the API key");
 let fleet = Fleet::builder()
@@ -194,7 +194,7 @@ let layer = RetryLayer::new().fleet(fleet);
 //!
 //! - The budget is wired in: deposits on first attempts, a withdrawal before each retry, and
 //!   a refusal that is visible in the [`RetryTrail`](crate::RetryTrail)
-//!   ([`GiveUpReason::Budget`](crate::GiveUpReason::Budget)).
+//!   ([`GiveUpReason::Budget`](crate::retry::GiveUpReason::Budget)).
 //! - The gate has no counterpart in `tower::retry`, which knows no HTTP.
 //!
 //! # Rate-limit headers
@@ -514,7 +514,7 @@ pub struct BudgetStats {
     /// Retries the budget paid for.
     pub retries: u64,
     /// Retries the budget refused (each a request that gave up with
-    /// [`GiveUpReason::Budget`](crate::GiveUpReason::Budget)).
+    /// [`GiveUpReason::Budget`](crate::retry::GiveUpReason::Budget)).
     pub refused: u64,
 }
 

@@ -14,7 +14,8 @@ use super::layer::Config;
 use super::rpc::{self, Call};
 use crate::body::{PrepareBody, ReplayBody};
 use crate::error::{BoxError, Error, RetryTrail};
-use crate::retry::{NoRetry, NotReplaySafe, RetryPolicy};
+use crate::retry::policy::per_request;
+use crate::retry::{NotReplaySafe, Override};
 
 /// The MCP session header.
 pub(crate) const SESSION_ID: HeaderName = HeaderName::from_static("mcp-session-id");
@@ -147,16 +148,12 @@ impl<S> Ctx<S> {
         let config = &self.config;
         let session = &config.session;
         let left = session.resends_left(config.reconnect_attempts, config.reconnect_window);
-        let base = parts
-            .extensions
-            .get::<RetryPolicy>()
-            .cloned()
-            .unwrap_or_else(|| config.policy.clone());
-        let base_max = if parts.extensions.get::<NoRetry>().is_some() {
-            0
-        } else {
-            base.get_max_retries()
-        };
+        // The retries the request would have: its own policy, override and `NoRetry` on the
+        // gate's copy of `RetryLayer`'s policy.
+        let base_max = per_request(&parts.extensions, &config.policy)
+            .as_ref()
+            .unwrap_or(&config.policy)
+            .get_max_retries();
         let (max, replay_safe, tool_call) = match &call {
             // Too large to read, or not readable: it may be anything, so it is sent as if it
             // mattered.
@@ -177,7 +174,11 @@ impl<S> Ctx<S> {
             parts.extensions.insert(NotReplaySafe);
         }
         if max != base_max || (tool_call && replay_safe) {
-            parts.extensions.insert(base.max_retries(max));
+            // Only the count changes: everything else of `RetryLayer`'s policy still applies.
+            let changes = parts.extensions.get::<Override>().copied();
+            parts
+                .extensions
+                .insert(changes.unwrap_or_default().max_retries(max));
         }
 
         let initialize = matches!(

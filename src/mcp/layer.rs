@@ -82,11 +82,12 @@ impl McpGateLayer {
         self
     }
 
-    /// The policy the per-request [`RetryPolicy`] of an idempotent tool call is derived from
-    /// (with `max_retries(1)`), and whose retry count the session cap lowers. A per-request
-    /// policy replaces `RetryLayer`'s, so give the gate the same policy as the `RetryLayer`
-    /// inside it. A request that already carries a `RetryPolicy` extension is derived from
-    /// that one instead. Defaults to [`RetryPolicy::default`].
+    /// The policy of the `RetryLayer` inside, for its retry count: an idempotent tool call is
+    /// allowed at most one of them, and the session cap lowers it, through an
+    /// [`Override`](crate::retry::Override) of `max_retries` that leaves the rest of
+    /// `RetryLayer`'s policy as it is. Give the gate the same policy as the `RetryLayer`
+    /// inside it. A request that already carries a `RetryPolicy` or an `Override` extension
+    /// is counted from those. Defaults to [`RetryPolicy::default`].
     pub fn policy(self, policy: RetryPolicy) -> Self {
         self.edit(|c| c.policy = policy)
     }
@@ -109,7 +110,7 @@ impl McpGateLayer {
 
     /// The session's reconnect cap: at most `attempts` re-sends (retries of any request,
     /// counted from the `RetryTrail`s that come back) within any `window`. Once spent,
-    /// requests are sent once ([`NoRetry`](crate::NoRetry)) until older re-sends leave the
+    /// requests are sent once ([`NoRetry`](crate::retry::NoRetry)) until older re-sends leave the
     /// window. Defaults to 5 within 60 s.
     pub fn reconnect(self, attempts: u32, window: Duration) -> Self {
         self.edit(|c| {
@@ -119,7 +120,7 @@ impl McpGateLayer {
     }
 
     /// The most request-body bytes read to find the JSON-RPC method; a larger body is sent
-    /// once, marked [`NotReplaySafe`](crate::NotReplaySafe). Defaults to 32 MiB.
+    /// once, marked [`NotReplaySafe`](crate::retry::NotReplaySafe). Defaults to 32 MiB.
     pub fn body_limit(self, bytes: usize) -> Self {
         self.edit(|c| c.body_limit = bytes)
     }

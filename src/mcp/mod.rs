@@ -8,10 +8,10 @@
 //!
 //! | request | marked | so `RetryLayer` |
 //! |---|---|---|
-//! | `tools/call` of a tool whose annotations say `readOnlyHint` or `idempotentHint` | a per-request [`RetryPolicy`](crate::RetryPolicy) with `max_retries(1)` | retries it at most once |
-//! | `tools/call` of any other tool (destructive, not idempotent, unannotated, unknown) | [`NotReplaySafe`](crate::NotReplaySafe) | re-sends it only when nothing can have reached the server (connection refused) |
+//! | `tools/call` of a tool whose annotations say `readOnlyHint` or `idempotentHint` | an [`Override`](crate::retry::Override) with `max_retries(1)` | retries it at most once |
+//! | `tools/call` of any other tool (destructive, not idempotent, unannotated, unknown) | [`NotReplaySafe`](crate::retry::NotReplaySafe) | re-sends it only when nothing can have reached the server (connection refused) |
 //! | `initialize`, `tools/list`, `resources/read`, notifications, … | nothing | follows its ordinary policy |
-//! | a body too large to read, or one that does not read as JSON-RPC (malformed, cut, nested past the parser's depth) | [`NotReplaySafe`](crate::NotReplaySafe) | sends it once |
+//! | a body too large to read, or one that does not read as JSON-RPC (malformed, cut, nested past the parser's depth) | [`NotReplaySafe`](crate::retry::NotReplaySafe) | sends it once |
 //!
 //! In a batch, one call that is not replay-safe makes the whole batch so.
 //!
@@ -84,22 +84,24 @@
 //! MCP client ──► McpGateLayer ──► RetryLayer ──► HTTP client
 //! ```
 //!
-//! It buffers the request body (up to 32 MiB), which `RetryLayer` then takes as it is. A
-//! per-request policy replaces `RetryLayer`'s for that request, so give the gate the same
+//! It buffers the request body (up to 32 MiB), which `RetryLayer` then takes as it is. The
+//! gate counts retries from `RetryLayer`'s policy, so give it the same
 //! [`policy`](McpGateLayer::policy). MCP streams carry no LLM output events, so
 //! `RetryLayer`'s SSE gate holds an SSE answer back until it ends (or 64 KiB); for tools that
 //! stream progress for long, turn it off with [`RetryLayer::sse_gate`](crate::RetryLayer::sse_gate).
 
 mod body;
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod rpc;
 mod service;
 
 pub use self::body::McpBody;
 pub use self::future::ResponseFuture;
-pub use self::layer::McpGateLayer;
 pub use self::service::McpGate;
+// The layer is public at the crate root only; imported here for the docs.
+#[cfg(doc)]
+use crate::McpGateLayer;
 
 use serde::Deserialize;
 

@@ -11,7 +11,7 @@
 //! [`ContextOverflowLayer`] reads them and re-sends the request at once (no sleep, and only
 //! once) with `max_tokens = max(floor, limit − input − margin)`, at least
 //! `thinking.budget_tokens + 1` when extended thinking is on. Only the value of `max_tokens`
-//! changes; every other byte of the body is sent as it was (see [`json_edit`](crate::json_edit)).
+//! changes; every other byte of the body is sent as it was, so the prompt cache still matches.
 //! The response then carries [`OverflowRepaired`].
 //!
 //! A prompt that alone is too long (Anthropic's `prompt is too long: 210000 tokens > 200000
@@ -29,7 +29,8 @@
 //! use http::{Request, Response};
 //! use http_body_util::Full;
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_llm_retry::{ContextWindowExceeded, ContextOverflowLayer, OverflowRepaired, ReplayBody, RetryLayer};
+//! use tower_llm_retry::{ContextOverflowLayer, ReplayBody, RetryLayer};
+//! use tower_llm_retry::overflow::{ContextWindowExceeded, OverflowRepaired};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
@@ -83,13 +84,15 @@
 //! `max_tokens`.
 
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod service;
 
 pub use self::future::ResponseFuture;
-pub use self::layer::ContextOverflowLayer;
 pub use self::service::ContextOverflow;
+// The layer is public at the crate root only; imported here for the docs.
 pub use crate::pipeline::OverflowRepaired;
+#[cfg(doc)]
+use crate::ContextOverflowLayer;
 
 use crate::provider::error_body::{context_overflow, Overflow};
 
@@ -111,7 +114,7 @@ impl ContextWindowExceeded {
     /// Reads a context-overflow error body, Anthropic's or OpenAI's; `None` for any other body.
     ///
     /// ```
-    /// use tower_llm_retry::ContextWindowExceeded;
+    /// use tower_llm_retry::overflow::ContextWindowExceeded;
     ///
     /// let body = br#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
     /// let overflow = ContextWindowExceeded::from_body(body).unwrap();

@@ -28,7 +28,7 @@
 //!
 //! The loop also ends a request at once, before any classifier runs, when an inner layer
 //! fails with one of this crate's final errors ([`Error::is_final`]): a credential that could
-//! not be had, a signal to switch models. A custom [`Classify`](crate::Classify) cannot retry
+//! not be had, a signal to switch models. A custom [`Classify`](crate::classify::Classify) cannot retry
 //! them.
 
 use std::fmt;

@@ -14,12 +14,12 @@ use tracing::Span;
 
 use super::layer::Config;
 use super::policy::DelayRefused;
-use super::{NoRetry, NotReplaySafe, RetryEvent, RetryPolicy};
+use super::{NotReplaySafe, RetryEvent, RetryPolicy};
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::{Classification, Classify, FailureClass, SseVerdict};
 use crate::error::{
-    error_chain, AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut,
-    TimeoutKind,
+    error_chain, AttemptRecord, BoxError, DeadlineReached, Error, ErrorKind, GiveUpReason,
+    RetryTrail, TimedOut, TimeoutKind,
 };
 use crate::fleet::{Fleet, GateWait, PastDeadline, Ticket};
 use crate::pipeline::body::{IdleTimer, Peeked, Read, RetryBody};
@@ -264,14 +264,7 @@ where
     #[inline]
     pub(crate) fn new(service: S, config: Arc<Config<C>>, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
-        let mut policy_override = parts.extensions.get::<RetryPolicy>().cloned();
-        if parts.extensions.get::<NoRetry>().is_some() {
-            policy_override = Some(
-                policy_override
-                    .unwrap_or_else(|| config.policy.clone())
-                    .max_retries(0),
-            );
-        }
+        let policy_override = super::policy::per_request(&parts.extensions, &config.policy);
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
         let scoped = config.fleet.for_request(&parts.uri, &parts.headers);
         let started = Instant::now();
@@ -944,7 +937,7 @@ where
             observer.on_give_up(&trail);
         }
         Error::new(ErrorKind::DeadlineExceeded)
-            .with_source(TimedOut::new(TimeoutKind::Deadline, limit))
+            .with_source(DeadlineReached(limit))
             .with_trail(trail)
     }
 
@@ -952,7 +945,7 @@ where
     fn note_cut_by_deadline(&mut self, c: &Classification, status: http::StatusCode) {
         let class = c.class().unwrap_or(FailureClass::Timeout);
         let limit = self.policy().get_deadline().unwrap_or_default();
-        let cut = TimedOut::new(TimeoutKind::Deadline, limit);
+        let cut = DeadlineReached(limit);
         self.trail.push(AttemptRecord {
             attempt: self.retries + 1,
             class,

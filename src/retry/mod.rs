@@ -36,7 +36,8 @@
 //! use std::time::Duration;
 //! use http::HeaderName;
 //! use tokio_util::sync::CancellationToken;
-//! use tower_llm_retry::{RetryLayer, RetryPolicy, RetryObserver, RetryEvent};
+//! use tower_llm_retry::{RetryLayer, RetryPolicy};
+//! use tower_llm_retry::retry::{RetryEvent, RetryObserver};
 //!
 //! #[derive(Debug)]
 //! struct LogRetries;
@@ -82,7 +83,7 @@
 //!
 //! Attempts are numbered from 1: the first attempt is attempt 1, the first retry attempt 2.
 //! Every `attempt` in the crate counts this way ([`AttemptContext::attempt`],
-//! [`AttemptRecord::attempt`](crate::AttemptRecord::attempt), [`RetryEvent::attempt`], the
+//! [`AttemptRecord::attempt`](crate::retry::AttemptRecord::attempt), [`RetryEvent::attempt`], the
 //! `attempt` field of the log events). What counts retries says so in its name and counts
 //! from 0: [`RetryPolicy::max_retries`], the [retry-count header](RetryLayer::retry_count_header)
 //! (attempt − 1, as the official SDKs' `x-stainless-retry-count`), and the span field
@@ -104,7 +105,7 @@
 //! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh),
 //!   [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)), or return the
 //!   response without a retry (an overload from the last model of a fallback chain): these hold
-//!   whatever the classifier says, so a custom [`Classify`](crate::Classify) cannot retry them;
+//!   whatever the classifier says, so a custom [`Classify`](crate::classify::Classify) cannot retry them;
 //! - send the next attempt one model further down the fallback chain.
 //!
 //! A repair is carried by every later attempt of the request. Between the loop and a
@@ -116,7 +117,7 @@
 //!
 //! | setting | default | change with |
 //! |---|---|---|
-//! | retries | 10 | [`RetryPolicy::max_retries`], or `LLM_MAX_RETRIES` (0 to 1,000) through [`RetryPolicy::from_env`] |
+//! | retries | 10 | [`RetryPolicy::max_retries`], or `LLM_MAX_RETRIES` (0 to 1,000) through [`RetryPolicy::with_env`] |
 //! | backoff before retry *n* | `min(0.5 s · 2^(n−1), 32 s)`: 0.5, 1, 2, 4, 8, 16, 32, 32 … s | [`initial_backoff`](RetryPolicy::initial_backoff), [`max_backoff`](RetryPolicy::max_backoff), [`multiplier`](RetryPolicy::multiplier) |
 //! | jitter | `+U[0, 25 %]` of the backoff (only the sleep, never the request) | [`RetryPolicy::jitter`] with [`Jitter`]`::{none, add, subtract, symmetric}`; [`Random::seeded`] for tests |
 //! | `Retry-After` | honoured as sent, from 0 up to 60 s; the backoff is no floor under it | [`retry_after_min`](RetryPolicy::retry_after_min), [`retry_after_max`](RetryPolicy::retry_after_max), [`backoff_is_floor`](RetryPolicy::backoff_is_floor), [`ignore_zero_retry_after`](RetryPolicy::ignore_zero_retry_after) |
@@ -131,7 +132,7 @@
 //! | SSE first-event gate | on for `text/event-stream` | [`RetryLayer::sse_gate`] |
 //! | stream end check (a clean cut before the terminal event is an error) | on | [`RetryLayer::stream_end_check`] |
 //! | read 2xx bodies whole inside the loop, retrying truncated ones | off | [`RetryLayer::buffer_responses`] |
-//! | classifier | [`DefaultClassifier`](crate::DefaultClassifier) | [`RetryLayer::classifier`] |
+//! | classifier | [`DefaultClassifier`](crate::classify::DefaultClassifier) | [`RetryLayer::classifier`] |
 //! | shutdown token | none | [`RetryLayer::cancellation`] |
 //! | observer | none | [`RetryLayer::observer`] |
 //! | retry budget, shared by every layer given one fleet | on | [`RetryLayer::fleet`] with [`FleetBuilder::budget`](crate::fleet::FleetBuilder::budget); settings in [`fleet`](crate::fleet#configuration) |
@@ -147,13 +148,13 @@
 //! A failed attempt is recorded in the trail, then the loop decides, in this order (the first
 //! that applies wins):
 //!
-//! 1. Not retryable by the classifier: stop ([`GiveUpReason::NotRetryable`](crate::GiveUpReason)).
-//! 2. Class [`NotProcessed`](crate::FailureClass::NotProcessed), the first such failure of this
+//! 1. Not retryable by the classifier: stop ([`GiveUpReason::NotRetryable`](crate::retry::GiveUpReason)).
+//! 2. Class [`NotProcessed`](crate::classify::FailureClass::NotProcessed), the first such failure of this
 //!    attempt, a copy of the request kept, no shutdown signalled: re-sent at once, also when
 //!    [`NotReplaySafe`]; no sleep, not counted as a retry, nothing drawn from the budget (see
 //!    [`classify`](crate::classify#http2-proofs-that-a-request-was-never-processed)).
 //! 3. [`NotReplaySafe`] and the failure does not prove the request was never sent
-//!    ([`Classify::request_not_sent`](crate::Classify::request_not_sent)): stop.
+//!    ([`Classify::request_not_sent`](crate::classify::Classify::request_not_sent)): stop.
 //! 4. Retries used up (`max_retries`): stop.
 //! 5. The policy's limit of consecutive overloads reached: stop.
 //! 6. The shutdown token fired: stop with [`ErrorKind::Cancelled`](crate::ErrorKind::Cancelled).
@@ -196,12 +197,19 @@
 //! Mark a request with [`NotReplaySafe`] when sending it twice would do harm: it is then
 //! retried only when the failure proves nothing reached the server (a refused connection, or
 //! one of the HTTP/2 proofs in [`classify`](crate::classify)). [`NoRetry`] turns retries off for
-//! one request, and a [`RetryPolicy`] in the request extensions replaces the layer's policy for
-//! that request.
+//! one request.
+//!
+//! # Per request
+//!
+//! An [`Override`] in the request extensions changes the settings it names (the number of
+//! retries, the timeouts, the deadline, the `Retry-After` ceiling) for that request, and
+//! leaves every other setting of the layer's policy as it is. A whole [`RetryPolicy`] in the
+//! extensions replaces the layer's policy for that request (a preset picked per request, as
+//! the proxy's `x-llm-retry-policy` header does); an `Override` then applies on top of it.
 
 mod future;
-mod layer;
-mod policy;
+pub(crate) mod layer;
+pub(crate) mod policy;
 mod service;
 
 use std::time::Duration;
@@ -209,17 +217,20 @@ use std::time::Duration;
 use http::StatusCode;
 
 pub use self::future::ResponseFuture;
-pub use crate::pipeline::{AttemptContext, RetryBody, DEFAULT_PEEK_LIMIT};
+pub use crate::body::DEFAULT_BODY_LIMIT;
+pub use crate::error::{AttemptRecord, GiveUpReason, TimedOut, TimeoutKind};
+pub(crate) use crate::pipeline::RetryBody;
+pub use crate::pipeline::{AttemptContext, DEFAULT_PEEK_LIMIT};
 // Sealed: it appears in the bounds of the response futures, but cannot be named or implemented
 // outside the crate.
 #[cfg(feature = "reqwest-middleware")]
 pub(crate) use self::layer::Config;
-pub use self::layer::RetryLayer;
-pub use self::policy::{AboveCeiling, Jitter, RetryPolicy, DEFAULT_TIMEOUT, ENV_MAX_RETRIES};
-// Shared with the fleet, which does not depend on this module: re-exported where users have
-// always found them.
+pub(crate) use self::layer::RetryLayer;
+pub(crate) use self::policy::RetryPolicy;
+pub use self::policy::{AboveCeiling, Jitter, Override, DEFAULT_TIMEOUT, ENV_MAX_RETRIES};
 pub use self::service::Retry;
-pub use crate::error::ConfigError;
+// Shared with the fleet, which does not depend on this module: re-exported here, where the
+// policy that takes it is.
 pub use crate::random::Random;
 
 use crate::classify::FailureClass;

@@ -8,7 +8,7 @@ use crate::random::Random;
 /// The default time to a response head, and between body frames: 600 s, as the official SDKs.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// The environment variable [`RetryPolicy::from_env`] reads.
+/// The environment variable [`RetryPolicy::with_env`] reads.
 pub const ENV_MAX_RETRIES: &str = "LLM_MAX_RETRIES";
 
 /// How many retries, how long to wait before each, and what to do with a server's
@@ -201,14 +201,10 @@ impl RetryPolicy {
         }
     }
 
-    /// The default policy, with `max_retries` read from `LLM_MAX_RETRIES` when it is set.
+    /// This policy, with `max_retries` read from `LLM_MAX_RETRIES` when it is set:
+    /// `RetryPolicy::default().with_env()?`.
     ///
     /// A value that is not a whole number up to 1,000 is an error, not silently ignored.
-    pub fn from_env() -> Result<Self, ConfigError> {
-        Self::default().with_env()
-    }
-
-    /// This policy, with `max_retries` read from `LLM_MAX_RETRIES` when it is set.
     pub fn with_env(self) -> Result<Self, ConfigError> {
         match std::env::var(ENV_MAX_RETRIES) {
             Ok(v) => self.with_max_retries_str(&v),
@@ -341,73 +337,28 @@ impl RetryPolicy {
     }
 
     /// The head timeout, if any.
-    pub fn get_head_timeout(&self) -> Option<Duration> {
+    pub(crate) fn get_head_timeout(&self) -> Option<Duration> {
         self.head_timeout
     }
 
     /// The idle timeout, if any.
-    pub fn get_idle_timeout(&self) -> Option<Duration> {
+    pub(crate) fn get_idle_timeout(&self) -> Option<Duration> {
         self.idle_timeout
     }
 
     /// The total deadline, if any.
-    pub fn get_deadline(&self) -> Option<Duration> {
+    pub(crate) fn get_deadline(&self) -> Option<Duration> {
         self.deadline
     }
 
     /// The most retries after the first attempt.
-    pub fn get_max_retries(&self) -> u32 {
+    pub(crate) fn get_max_retries(&self) -> u32 {
         self.max_retries
     }
 
     /// The ceiling for a `Retry-After`.
-    pub fn get_retry_after_max(&self) -> Duration {
+    pub(crate) fn get_retry_after_max(&self) -> Duration {
         self.retry_after_max
-    }
-
-    /// The shortest wait a `Retry-After` can cause.
-    pub fn get_retry_after_min(&self) -> Duration {
-        self.retry_after_min
-    }
-
-    /// What is done with a `Retry-After` above the ceiling.
-    pub fn get_above_ceiling(&self) -> AboveCeiling {
-        self.above_ceiling
-    }
-
-    /// Whether `Retry-After: 0` is ignored in favour of the computed backoff.
-    pub fn get_ignore_zero_retry_after(&self) -> bool {
-        self.ignore_zero_retry_after
-    }
-
-    /// Whether the computed backoff is a floor under a `Retry-After`.
-    pub fn get_backoff_is_floor(&self) -> bool {
-        self.backoff_is_floor
-    }
-
-    /// The backoff before the first retry.
-    pub fn get_initial_backoff(&self) -> Duration {
-        self.initial_backoff
-    }
-
-    /// The largest computed backoff, before jitter.
-    pub fn get_max_backoff(&self) -> Duration {
-        self.max_backoff
-    }
-
-    /// The growth factor of the backoff.
-    pub fn get_multiplier(&self) -> f64 {
-        self.multiplier
-    }
-
-    /// How the backoff is randomised.
-    pub fn get_jitter(&self) -> Jitter {
-        self.jitter
-    }
-
-    /// Where jitter samples come from (also the cooldown gate's spread).
-    pub fn get_random(&self) -> &Random {
-        &self.random
     }
 
     /// What the fleet is told of this policy.
@@ -420,12 +371,12 @@ impl RetryPolicy {
     }
 
     /// The limit of consecutive overloads, if any.
-    pub fn get_max_consecutive_overloads(&self) -> Option<u32> {
+    pub(crate) fn get_max_consecutive_overloads(&self) -> Option<u32> {
         self.max_consecutive_overloads
     }
 
     /// The un-jittered backoff before retry `n` (1-based).
-    pub fn base_backoff(&self, n: u32) -> Duration {
+    fn base_backoff(&self, n: u32) -> Duration {
         let exp = n.saturating_sub(1).min(1023) as i32;
         let secs = self.initial_backoff.as_secs_f64() * self.multiplier.powi(exp);
         let max = self.max_backoff.as_secs_f64();
@@ -472,6 +423,122 @@ impl RetryPolicy {
             Ok(ra)
         }
     }
+}
+
+/// Request extension: changes the settings it names of the policy that applies to one
+/// request, and nothing else.
+///
+/// The policy that applies is the layer's, or a whole [`RetryPolicy`] the request carries as
+/// an extension (a preset chosen per request). Each setting an `Override` names replaces that
+/// setting of it; every other one (backoff, jitter, the `Retry-After` handling, the limit of
+/// consecutive overloads) stays as it is. [`NoRetry`](super::NoRetry) on the same request
+/// wins over [`max_retries`](Override::max_retries).
+///
+/// ```
+/// use std::time::Duration;
+/// use http::Request;
+/// use tower_llm_retry::retry::Override;
+///
+/// let mut request = Request::post("https://api.anthropic.com/v1/messages").body(()).unwrap();
+/// // This request: at most one retry, and done within 30 s; the layer's backoff as ever.
+/// request.extensions_mut().insert(
+///     Override::new()
+///         .max_retries(1)
+///         .deadline(Some(Duration::from_secs(30))),
+/// );
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Override {
+    max_retries: Option<u32>,
+    retry_after_max: Option<Duration>,
+    head_timeout: Option<Option<Duration>>,
+    idle_timeout: Option<Option<Duration>>,
+    deadline: Option<Option<Duration>>,
+}
+
+impl Override {
+    /// An override that names no setting: the policy applies as it is.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The most retries after the first attempt, as [`RetryPolicy::max_retries`]. Defaults
+    /// to the policy's.
+    pub fn max_retries(mut self, n: u32) -> Self {
+        self.max_retries = Some(n);
+        self
+    }
+
+    /// The ceiling for a `Retry-After`, as [`RetryPolicy::retry_after_max`]. Defaults to the
+    /// policy's.
+    pub fn retry_after_max(mut self, d: Duration) -> Self {
+        self.retry_after_max = Some(d);
+        self
+    }
+
+    /// How long one attempt may wait for its response head, as
+    /// [`RetryPolicy::head_timeout`]; `None` waits forever. Defaults to the policy's.
+    pub fn head_timeout(mut self, d: Option<Duration>) -> Self {
+        self.head_timeout = Some(d);
+        self
+    }
+
+    /// How long a response body may go without a frame, as [`RetryPolicy::idle_timeout`];
+    /// `None` waits forever. Defaults to the policy's.
+    pub fn idle_timeout(mut self, d: Option<Duration>) -> Self {
+        self.idle_timeout = Some(d);
+        self
+    }
+
+    /// A total time budget for the request, as [`RetryPolicy::deadline`]; `None` removes the
+    /// policy's. Defaults to the policy's.
+    pub fn deadline(mut self, d: Option<Duration>) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+
+    /// `policy` with the settings this override names replaced.
+    fn apply(&self, mut policy: RetryPolicy) -> RetryPolicy {
+        if let Some(n) = self.max_retries {
+            policy.max_retries = n;
+        }
+        if let Some(d) = self.retry_after_max {
+            policy.retry_after_max = d;
+        }
+        if let Some(d) = self.head_timeout {
+            policy.head_timeout = d;
+        }
+        if let Some(d) = self.idle_timeout {
+            policy.idle_timeout = d;
+        }
+        if let Some(d) = self.deadline {
+            policy.deadline = d;
+        }
+        policy
+    }
+}
+
+/// The policy of one request when its extensions change the layer's: a whole [`RetryPolicy`]
+/// it carries, or `layer`, with its [`Override`] and then its [`NoRetry`](super::NoRetry)
+/// applied. `None` when they change nothing, so the layer's applies without a copy.
+pub(crate) fn per_request(
+    extensions: &http::Extensions,
+    layer: &RetryPolicy,
+) -> Option<RetryPolicy> {
+    let whole = extensions.get::<RetryPolicy>();
+    let changes = extensions.get::<Override>();
+    let no_retry = extensions.get::<super::NoRetry>().is_some();
+    if whole.is_none() && changes.is_none() && !no_retry {
+        return None;
+    }
+    let mut policy = whole.unwrap_or(layer).clone();
+    if let Some(changes) = changes {
+        policy = changes.apply(policy);
+    }
+    if no_retry {
+        policy.max_retries = 0;
+    }
+    Some(policy)
 }
 
 #[cfg(test)]
@@ -559,6 +626,53 @@ mod tests {
                 .unwrap()
                 .get_max_retries(),
             4
+        );
+    }
+
+    #[test]
+    fn an_override_replaces_what_it_names_and_nothing_else() {
+        let layer = RetryPolicy::patient().deadline(Some(Duration::from_secs(90)));
+        let mut ext = http::Extensions::new();
+        assert!(per_request(&ext, &layer).is_none());
+
+        ext.insert(Override::new().max_retries(1).head_timeout(None));
+        let p = per_request(&ext, &layer).unwrap();
+        assert_eq!((p.max_retries, p.head_timeout), (1, None));
+        // The rest is the layer's.
+        let untouched = |p: &RetryPolicy| {
+            (
+                p.initial_backoff,
+                p.max_backoff,
+                p.jitter,
+                p.retry_after_min,
+                p.retry_after_max,
+                p.above_ceiling,
+                p.idle_timeout,
+                p.deadline,
+            )
+        };
+        assert_eq!(untouched(&p), untouched(&layer));
+
+        // On top of a whole policy the request carries; `NoRetry` wins over the count.
+        ext.insert(RetryPolicy::interactive());
+        let p = per_request(&ext, &layer).unwrap();
+        assert_eq!((p.max_retries, p.max_backoff), (1, Duration::from_secs(8)));
+        ext.insert(super::super::NoRetry);
+        assert_eq!(per_request(&ext, &layer).unwrap().max_retries, 0);
+
+        let p = Override::new()
+            .deadline(None)
+            .idle_timeout(Some(Duration::from_secs(5)))
+            .retry_after_max(Duration::from_secs(2))
+            .apply(layer.clone());
+        assert_eq!(
+            (p.deadline, p.idle_timeout, p.retry_after_max, p.max_retries),
+            (
+                None,
+                Some(Duration::from_secs(5)),
+                Duration::from_secs(2),
+                12
+            )
         );
     }
 

@@ -41,7 +41,7 @@
 //! output, and what the end check
 //! ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default)
 //! waits for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
-//! output. [`Classify::classify_sse_event`](crate::Classify::classify_sse_event) can decide
+//! output. [`Classify::classify_sse_event`](crate::classify::Classify::classify_sse_event) can decide
 //! otherwise.
 //!
 //! | protocol ([`StreamProtocol`]) | visible output: the commit point | terminal event |
@@ -79,7 +79,7 @@
 //! Opt-in, [`RetryLayer::buffer_responses(Some(cap))`](crate::RetryLayer::buffer_responses)
 //! reads non-streaming 2xx bodies whole inside the loop, so a reset mid-body or a short body
 //! (content-length mismatch) is retried as
-//! [`FailureClass::TruncatedEnvelope`](crate::FailureClass::TruncatedEnvelope) instead of
+//! [`FailureClass::TruncatedEnvelope`](crate::classify::FailureClass::TruncatedEnvelope) instead of
 //! failing in the caller's hands. Such JSON that stopped at the output limit
 //! (`stop_reason: "max_tokens"`, `finish_reason: "length"`) gets an [`OutputTruncated`]
 //! extension and is never re-sent; [`ContinuationLayer`](crate::ContinuationLayer) continues it

@@ -2,6 +2,8 @@
 //! and body hashing.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod json;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,7 +14,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use sha2::{Digest, Sha256};
-use tower_llm_retry::{FailureClass, ReplayBody, RetryEvent, RetryObserver, RetryTrail};
+use tower_llm_retry::classify::FailureClass;
+use tower_llm_retry::retry::{RetryEvent, RetryObserver};
+use tower_llm_retry::{ReplayBody, RetryTrail};
 
 pub type HttpClient = Client<HttpConnector, ReplayBody>;
 
@@ -98,7 +102,7 @@ impl RetryObserver for Recorder {
 /// Asserts that `sent` is `original` with the value of the top-level `key` replaced by the
 /// JSON text `value`, every other byte untouched.
 pub fn assert_only_value_changed(original: &[u8], sent: &[u8], key: &str, value: &str) {
-    use tower_llm_retry::json_edit::value_span;
+    use self::json::value_span;
     let before = value_span(original, key).expect("the original has the key");
     let after = value_span(sent, key).expect("the sent body has the key");
     assert_eq!(before.start, after.start, "the bytes before `{key}` moved");
@@ -174,7 +178,7 @@ impl RetryObserver for RetryPlanned {
 /// planned (so the gate has seen the response), with the instant the server received it.
 pub async fn close_with(
     server: &tower_llm_retry::mock::MockServer,
-    svc: &tower_llm_retry::Retry<HttpClient>,
+    svc: &tower_llm_retry::retry::Retry<HttpClient>,
     planned: &RetryPlanned,
 ) -> (
     tokio::task::JoinHandle<Result<StatusCode, tower_llm_retry::ErrorKind>>,

@@ -6,9 +6,10 @@ use std::time::{Duration, SystemTime};
 use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::DefaultClassifier;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{Jitter, Random};
-use tower_llm_retry::{DefaultClassifier, RetryLayer, RetryPolicy};
+use tower_llm_retry::{RetryLayer, RetryPolicy};
 
 fn secs(v: &[f64]) -> Vec<Duration> {
     v.iter().map(|s| Duration::from_secs_f64(*s)).collect()
@@ -23,7 +24,7 @@ fn gaps(server: &MockServer) -> Vec<Duration> {
 }
 
 async fn run_with(
-    layer: RetryLayer<impl tower_llm_retry::Classify + Clone>,
+    layer: RetryLayer<impl tower_llm_retry::classify::Classify + Clone>,
     script: Script,
 ) -> (MockServer, StatusCode) {
     let server = MockServer::start(script).await.unwrap();

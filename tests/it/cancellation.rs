@@ -8,7 +8,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{ErrorKind, GiveUpReason, RetryLayer};
+use tower_llm_retry::retry::GiveUpReason;
+use tower_llm_retry::{ErrorKind, RetryLayer};
 
 #[tokio::test(start_paused = true)]
 async fn dropping_the_future_mid_sleep_stops_everything() {

@@ -5,9 +5,11 @@ use std::time::Duration;
 use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{ErrorKind, FailureClass, GiveUpReason, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::{ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
 
 fn layer(recorder: &Recorder) -> RetryLayer {
     RetryLayer::new()

@@ -10,10 +10,10 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::continuation::{ContinuationBody, DEFAULT_PROMPT};
+use tower_llm_retry::continuation::{Continued, TruncatedToolCall};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{
-    ContinuationLayer, Continued, OutputTruncated, RetryBody, RetryLayer, TruncatedToolCall,
-};
+use tower_llm_retry::stream::OutputTruncated;
+use tower_llm_retry::{ContinuationLayer, RetryBody, RetryLayer};
 
 type Response = http::Response<ContinuationBody<RetryBody<Incoming>>>;
 
@@ -61,7 +61,7 @@ async fn run(
 
 /// `body` with `appended` inserted just before the `]` that closes its `messages` array.
 fn with_appended(body: &[u8], appended: &str) -> Vec<u8> {
-    let span = tower_llm_retry::json_edit::value_span(body, "messages").unwrap();
+    let span = crate::common::json::value_span(body, "messages").unwrap();
     let close = span.end - 1;
     let mut out = body[..close].to_vec();
     out.extend_from_slice(appended.as_bytes());

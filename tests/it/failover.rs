@@ -10,13 +10,14 @@ use crate::common::*;
 use http::StatusCode;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::auth::{ApiKey, ApiKeyPool, AuthLayer};
+use tower_llm_retry::auth::ApiKeyPool;
+use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::fallback::{Circuit, CircuitState, Target};
 use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script};
-use tower_llm_retry::{
-    ErrorKind, GiveUpReason, ModelFallbackLayer, ModelUsed, RetryLayer, RetryPolicy, RetryTrail,
-    StreamCommitted,
-};
+use tower_llm_retry::retry::GiveUpReason;
+use tower_llm_retry::stream::StreamCommitted;
+use tower_llm_retry::{ApiKey, AuthLayer};
+use tower_llm_retry::{ErrorKind, ModelFallbackLayer, RetryLayer, RetryPolicy, RetryTrail};
 
 const PRIMARY: &str = "claude-opus-4-1";
 const FALLBACK: &str = "claude-sonnet-4-5";
@@ -791,7 +792,7 @@ async fn every_circuit_transition_is_a_tracing_event() {
 
 #[tokio::test(start_paused = true)]
 async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_closed() {
-    use tower_llm_retry::{Fleet, GateConfig};
+    use tower_llm_retry::fleet::{Fleet, GateConfig};
     let server = MockServer::start(by_model(|_| {
         Reply::overloaded().header("retry-after", "20")
     }))
@@ -938,7 +939,7 @@ where
 /// The retry loop with `layer` inside it, over a plain client.
 fn retried(
     layer: &ModelFallbackLayer,
-) -> tower_llm_retry::Retry<tower_llm_retry::ModelFallback<HttpClient>> {
+) -> tower_llm_retry::retry::Retry<tower_llm_retry::fallback::ModelFallback<HttpClient>> {
     ServiceBuilder::new()
         .layer(RetryLayer::new().policy(policy()))
         .layer(layer.clone())

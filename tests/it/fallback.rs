@@ -7,11 +7,13 @@ use std::time::Duration;
 use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::fallback::FallbackMode;
+use tower_llm_retry::fallback::{FallbackTriggered, ModelUsed};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::{
-    ContextOverflowLayer, ErrorKind, FailureClass, GiveUpReason, ModelFallbackLayer, ModelUsed,
-    RetryLayer, RetryTrail,
+    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryTrail,
 };
 
 /// Pretty-printed, with a nested `"model"` that must never change.
@@ -299,7 +301,9 @@ async fn signal_mode_ends_the_request_with_the_models_to_switch() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FallbackTriggered);
-    let signal = err.fallback_triggered().unwrap();
+    let signal = std::error::Error::source(&err)
+        .and_then(|s| s.downcast_ref::<FallbackTriggered>())
+        .unwrap();
     assert_eq!(
         (signal.from.as_str(), signal.to.as_str()),
         (OPUS_MODEL, SONNET)
@@ -331,7 +335,7 @@ async fn an_overloaded_error_body_counts_as_an_overload() {
         .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
         .await
         .unwrap_err();
-    assert!(err.is_fallback_triggered());
+    assert_eq!(err.kind(), ErrorKind::FallbackTriggered);
     assert_eq!(server.request_count(), 1);
 }
 

@@ -11,11 +11,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
+use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{
-    Error, ErrorKind, FailureClass, GiveUpReason, RetryBody, RetryLayer, RetryPolicy, RetryTrail,
-};
+use tower_llm_retry::{Error, ErrorKind, RetryBody, RetryLayer, RetryPolicy, RetryTrail};
 
 /// Two retries, no jitter, 10 s timeouts: sleeps of 0.5 s and 1 s.
 fn layer() -> RetryLayer {

@@ -18,11 +18,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Protocol, Reply, Script, SseFrame};
-use tower_llm_retry::{
-    ErrorKind, FailureClass, GiveUpReason, NotReplaySafe, ReplayBody, RetryLayer, RetryPolicy,
-    RetryTrail,
-};
+use tower_llm_retry::retry::{GiveUpReason, NotReplaySafe};
+use tower_llm_retry::{ErrorKind, ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 /// TCP with `TCP_NODELAY`: without it a request's second small write (an h2 `DATA` frame after
 /// its `HEADERS`) waits for the server's delayed ACK in real time, which paused time skips.
@@ -528,8 +527,15 @@ async fn hyper_utils_own_re_send_does_not_double_count_a_refused_stream() {
 }
 
 /// The layer over `client` with a fleet of one scope, and the fleet to read.
-fn with_fleet(client: Https) -> (tower_llm_retry::Fleet, tower_llm_retry::Retry<Https>) {
-    let fleet = tower_llm_retry::Fleet::builder().per_scope(false).build();
+fn with_fleet(
+    client: Https,
+) -> (
+    tower_llm_retry::fleet::Fleet,
+    tower_llm_retry::retry::Retry<Https>,
+) {
+    let fleet = tower_llm_retry::fleet::Fleet::builder()
+        .per_scope(false)
+        .build();
     let layer = RetryLayer::new()
         .policy(exact_policy())
         .fleet(fleet.clone());

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, Reply, Script, SseFrame};
-use tower_llm_retry::stream::StreamProtocol;
+use tower_llm_retry::stream::{IncompleteStream, StreamProtocol};
 use tower_llm_retry::{ErrorKind, RetryLayer, RetryTrail};
 
 struct Case {
@@ -100,7 +100,7 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-fn svc() -> tower_llm_retry::Retry<HttpClient> {
+fn svc() -> tower_llm_retry::retry::Retry<HttpClient> {
     ServiceBuilder::new()
         .layer(RetryLayer::new().policy(exact_policy()))
         .service(http_client())
@@ -122,8 +122,9 @@ async fn a_clean_cut_after_output_is_an_incomplete_stream_error_with_every_byte_
         assert_eq!(sha256(&bytes), sha256(&sent), "{:?}", case.protocol);
         let err = err.unwrap_or_else(|| panic!("{:?}: the cut ended cleanly", case.protocol));
         assert_eq!(err.kind(), ErrorKind::IncompleteStream);
-        assert!(err.is_incomplete_stream());
-        let cut = err.incomplete_stream().unwrap();
+        let cut = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<IncompleteStream>())
+            .unwrap();
         assert_eq!(cut.protocol(), case.protocol);
         assert_eq!(cut.delivered_bytes(), sent.len() as u64);
         assert_eq!(cut.last_event(), Some(case.last_event));
@@ -229,7 +230,7 @@ async fn the_check_can_be_switched_off_and_unknown_streams_pass() {
     assert_eq!(bytes, concat(&other));
 }
 
-fn svc_gate_off() -> tower_llm_retry::Retry<HttpClient> {
+fn svc_gate_off() -> tower_llm_retry::retry::Retry<HttpClient> {
     ServiceBuilder::new()
         .layer(RetryLayer::new().policy(exact_policy()).sse_gate(false))
         .service(http_client())
@@ -293,7 +294,7 @@ async fn a_stream_with_lone_cr_line_ends_is_judged_to_its_last_event() {
     let trail = res.extensions().get::<RetryTrail>().cloned().unwrap();
     assert_eq!(
         trail.attempts()[0].class,
-        tower_llm_retry::FailureClass::Client
+        tower_llm_retry::classify::FailureClass::Client
     );
     assert_eq!(server.request_count(), 1, "a client error is not retried");
 }

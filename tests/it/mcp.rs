@@ -19,11 +19,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 use tower::{Service, ServiceBuilder, ServiceExt};
+use tower_llm_retry::mcp::McpGate;
 use tower_llm_retry::mcp::ToolAnnotations;
 use tower_llm_retry::mock::{MockServer, Reply, Script, SseFrame};
-use tower_llm_retry::{
-    BoxError, Error, GiveUpReason, McpGate, McpGateLayer, ReplayBody, Retry, RetryLayer, RetryTrail,
-};
+use tower_llm_retry::retry::{GiveUpReason, Retry};
+use tower_llm_retry::{BoxError, Error, McpGateLayer, ReplayBody, RetryLayer, RetryTrail};
 
 fn gate() -> McpGateLayer {
     McpGateLayer::new().policy(exact_policy())

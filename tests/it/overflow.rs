@@ -11,10 +11,8 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, RecordedRequest, Reply, Script};
-use tower_llm_retry::{
-    ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired, RetryBody, RetryLayer,
-    RetryTrail,
-};
+use tower_llm_retry::overflow::{ContextWindowExceeded, OverflowRepaired};
+use tower_llm_retry::{ContextOverflowLayer, RetryBody, RetryLayer, RetryTrail};
 
 type Response = http::Response<RetryBody<RetryBody<Incoming>>>;
 

@@ -17,7 +17,8 @@ use tower::Layer;
 use tower::{service_fn, ServiceExt};
 use tower_llm_retry::classify::headers::parse_retry_after;
 use tower_llm_retry::classify::SseVerdict;
-use tower_llm_retry::{Classify, DefaultClassifier, ReplayBody, RetryLayer, RetryPolicy};
+use tower_llm_retry::classify::{Classify, DefaultClassifier};
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
 
 /// A response body that yields the given chunks as separate frames.
 struct Chunks(VecDeque<Bytes>);
@@ -129,7 +130,10 @@ proptest! {
                     Ok(f) => out.extend_from_slice(f.data_ref().unwrap()),
                     Err(e) => {
                         assert_eq!(e.kind(), tower_llm_retry::ErrorKind::IncompleteStream, "{e}");
-                        cut = Some(e.incomplete_stream().unwrap().delivered_bytes());
+                        let stream = std::error::Error::source(&e)
+                            .and_then(|s| s.downcast_ref::<tower_llm_retry::stream::IncompleteStream>())
+                            .unwrap();
+                        cut = Some(stream.delivered_bytes());
                         break;
                     }
                 }

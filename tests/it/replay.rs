@@ -12,12 +12,13 @@ use http::{HeaderName, Request, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{
-    AttemptContext, ErrorKind, FailureClass, GiveUpReason, NoRetry, NotReplaySafe, ReplayBody,
-    RetryLayer, RetryPolicy, RetryTrail, TimedOut, TimeoutKind,
+use tower_llm_retry::retry::{
+    AttemptContext, GiveUpReason, NoRetry, NotReplaySafe, Override, TimedOut, TimeoutKind,
 };
+use tower_llm_retry::{ErrorKind, ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 /// A request body that arrives in chunks, with no length known up front.
 struct Chunked {
@@ -127,7 +128,6 @@ async fn body_over_the_cap_while_reading_sends_nothing() {
         .unwrap();
     let err = svc.oneshot(req).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::BodyTooLarge);
-    assert!(err.is_body_too_large());
     assert_eq!(server.request_count(), 0);
 }
 
@@ -240,7 +240,7 @@ async fn a_body_too_large_to_hold_waits_at_the_gate_and_within_the_deadline() {
                 .body_limit(64 * 1024)
                 .policy(RetryPolicy::default().jitter(Jitter::none()).max_retries(0))
                 .fleet(
-                    tower_llm_retry::Fleet::builder()
+                    tower_llm_retry::fleet::Fleet::builder()
                         .cooldown_gate(Some(
                             tower_llm_retry::fleet::GateConfig::new()
                                 .spread(0.0, Duration::ZERO)
@@ -369,6 +369,98 @@ async fn per_request_policy_overrides_the_layer() {
     let res = svc.oneshot(req).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(server.request_count(), 2);
+}
+
+/// Sends one request to a server that always answers `503`, with `extensions` added, and
+/// returns the gaps between the attempts the server received and the trail.
+async fn attempts_against_503(
+    layer: RetryLayer,
+    add: impl FnOnce(&mut http::Extensions),
+) -> (Vec<Duration>, RetryTrail) {
+    let server = MockServer::start(Script::always(Reply::status(503)))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new().layer(layer).service(http_client());
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    add(req.extensions_mut());
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let seen = server.requests();
+    for r in &seen {
+        assert_eq!(&r.body[..], BODY.as_bytes());
+    }
+    let gaps = seen
+        .windows(2)
+        .map(|w| w[1].received_at - w[0].received_at)
+        .collect();
+    (gaps, res.extensions().get::<RetryTrail>().unwrap().clone())
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_override_changes_the_attempt_count_and_nothing_else() {
+    let layer = RetryLayer::new().policy(
+        RetryPolicy::default()
+            .jitter(Jitter::none())
+            .initial_backoff(Duration::from_millis(200))
+            .max_retries(4),
+    );
+    let ms = |v: &[u64]| {
+        v.iter()
+            .map(|m| Duration::from_millis(*m))
+            .collect::<Vec<_>>()
+    };
+
+    // The layer's policy: 5 attempts, 0.2 s doubling.
+    let (gaps, trail) = attempts_against_503(layer.clone(), |_| {}).await;
+    assert_eq!(gaps, ms(&[200, 400, 800, 1600]));
+    assert_eq!(trail.total_attempts(), 5);
+
+    // An override of the count: 3 attempts, the layer's backoff as it was.
+    let (gaps, trail) = attempts_against_503(layer.clone(), |e| {
+        e.insert(Override::new().max_retries(2));
+    })
+    .await;
+    assert_eq!(gaps, ms(&[200, 400]));
+    assert_eq!(trail.total_attempts(), 3);
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxRetries));
+
+    // Over a whole policy the request carries, the override changes only the count of that one.
+    let (gaps, trail) = attempts_against_503(layer.clone(), |e| {
+        e.insert(RetryPolicy::default().jitter(Jitter::none()));
+        e.insert(Override::new().max_retries(1));
+    })
+    .await;
+    assert_eq!(gaps, ms(&[500]));
+    assert_eq!(trail.total_attempts(), 2);
+
+    // `NoRetry` wins over the override's count.
+    let (gaps, trail) = attempts_against_503(layer, |e| {
+        e.insert(Override::new().max_retries(3));
+        e.insert(NoRetry);
+    })
+    .await;
+    assert!(gaps.is_empty());
+    assert_eq!(trail.total_attempts(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_override_of_the_deadline_ends_a_stalled_request_at_it() {
+    let server = MockServer::start(Script::always(Reply::stall()))
+        .await
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::default().max_retries(0)))
+        .service(http_client());
+    let mut req = anthropic_request(&server.url("/v1/messages"), BODY);
+    req.extensions_mut()
+        .insert(Override::new().deadline(Some(Duration::from_secs(7))));
+    let start = tokio::time::Instant::now();
+    let err = svc.oneshot(req).await.unwrap_err();
+    // Without the override the attempt would wait for the 600 s head timeout.
+    assert_eq!(tokio::time::Instant::now() - start, Duration::from_secs(7));
+    assert_eq!(server.request_count(), 1);
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    assert_eq!(err.trail().unwrap().total_attempts(), 1);
 }
 
 #[tokio::test(start_paused = true)]

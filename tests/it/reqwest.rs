@@ -8,14 +8,14 @@ use bytes::{Bytes, BytesMut};
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
 use tower_llm_retry::reqwest::ReqwestService;
 use tower_llm_retry::reqwest_middleware::RetryMiddleware;
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{
-    Error, ErrorKind, FailureClass, GiveUpReason, NoRetry, NotReplaySafe, RetryLayer, RetryPolicy,
-    RetryTrail, StreamCommitted,
-};
+use tower_llm_retry::retry::{GiveUpReason, NoRetry, NotReplaySafe};
+use tower_llm_retry::stream::StreamCommitted;
+use tower_llm_retry::{Error, ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
 
 fn client() -> reqwest::Client {
     reqwest_builder().build().unwrap()

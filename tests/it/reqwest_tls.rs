@@ -16,12 +16,12 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::never_processed;
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Protocol, Reply, Script};
 use tower_llm_retry::reqwest::ReqwestService;
 use tower_llm_retry::reqwest_middleware::RetryMiddleware;
-use tower_llm_retry::{
-    FailureClass, NotReplaySafe, ReplayBody, RetryLayer, RetryPolicy, RetryTrail,
-};
+use tower_llm_retry::retry::NotReplaySafe;
+use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Wire {

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::json::{read_value, replace_value};
 use crate::common::*;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -20,7 +21,6 @@ use rand::{RngExt, SeedableRng};
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{BudgetConfig, Fleet};
-use tower_llm_retry::json_edit::{read_value, replace_value};
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
 use tower_llm_retry::retry::Random;
 use tower_llm_retry::{

@@ -8,12 +8,12 @@ use http::StatusCode;
 use http_body::Body as _;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
+use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{
-    CommitReason, ErrorKind, FailureClass, GiveUpReason, OutputTruncated, RetryBody, RetryLayer,
-    RetryPolicy, RetryTrail, StreamCommitted,
-};
+use tower_llm_retry::stream::{CommitReason, OutputTruncated, StreamCommitted};
+use tower_llm_retry::{ErrorKind, RetryBody, RetryLayer, RetryPolicy, RetryTrail};
 
 fn policy() -> RetryPolicy {
     RetryPolicy::default()
@@ -474,14 +474,17 @@ async fn a_head_timeout_cut_short_by_the_deadline_reports_the_time_it_waited() {
     let mut source = std::error::Error::source(&err);
     let mut timed_out = None;
     while let Some(e) = source {
-        if let Some(t) = e.downcast_ref::<tower_llm_retry::TimedOut>() {
+        if let Some(t) = e.downcast_ref::<tower_llm_retry::retry::TimedOut>() {
             timed_out = Some((t.kind(), t.after()));
         }
         source = e.source();
     }
     assert_eq!(
         timed_out,
-        Some((tower_llm_retry::TimeoutKind::Head, Duration::from_secs(5))),
+        Some((
+            tower_llm_retry::retry::TimeoutKind::Head,
+            Duration::from_secs(5)
+        )),
         "{err}"
     );
 }

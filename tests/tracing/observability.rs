@@ -9,9 +9,11 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::{FailureClass, GiveUpReason, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::{RetryLayer, RetryPolicy, RetryTrail};
 
 const API_KEY: &str = "sk-ant-api03-SECRETKEYMATERIAL";
 const BEARER: &str = "Bearer eyJSECRETBEARERTOKEN";

@@ -13,13 +13,14 @@ use crate::common::*;
 use http::{Request, StatusCode};
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{
-    ApiKey, ApiKeyPool, AuthLayer, AuthOutcome, Credential, CredentialHeader, RefreshingToken,
-    Token, TokenSource,
+    ApiKeyPool, AuthOutcome, Credential, CredentialHeader, RefreshingToken, Token, TokenSource,
 };
+use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
+use tower_llm_retry::overflow::OverflowRepaired;
+use tower_llm_retry::{ApiKey, AuthLayer};
 use tower_llm_retry::{
-    ContextOverflowLayer, ModelFallbackLayer, ModelUsed, OverflowRepaired, ReplayBody, RetryLayer,
-    RetryTrail,
+    ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer, RetryTrail,
 };
 
 #[derive(Clone, Default)]

@@ -310,7 +310,7 @@ async fn sdk_retries_draw_on_the_tenants_budget() {
     })
     .await;
     // No first attempt has paid in: only the budget's reserve is there.
-    let allowed = tower_llm_retry::BudgetConfig::default().max_retries(0) as usize;
+    let allowed = tower_llm_retry::fleet::BudgetConfig::default().max_retries(0) as usize;
     assert!(allowed > 0);
     let retry = || {
         h.post("/v1/messages", MESSAGES)

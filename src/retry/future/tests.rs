@@ -52,7 +52,7 @@ impl Service<Request<ReplayBody>> for Scripted {
     fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
         let attempt = req
             .extensions()
-            .get::<crate::AttemptContext>()
+            .get::<crate::retry::AttemptContext>()
             .map_or(0, |c| c.attempt);
         self.seen.lock().unwrap().push(attempt);
         let reply = self
@@ -93,7 +93,7 @@ fn state_of(f: &impl std::fmt::Debug) -> String {
 }
 
 fn policy() -> RetryPolicy {
-    RetryPolicy::default().jitter(crate::Jitter::none())
+    RetryPolicy::default().jitter(crate::retry::Jitter::none())
 }
 
 #[tokio::test(start_paused = true)]
