@@ -18,12 +18,9 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::fallback::ModelUsed;
-use tower_llm_retry::fallback::{Circuit, Target};
+use tower_llm_retry::fallback::{Circuit, ModelUsed, Target};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::ModelFallbackLayer;
-use tower_llm_retry::{ApiKey, AuthLayer};
-use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
+use tower_llm_retry::{ApiKey, AuthLayer, ModelFallbackLayer, ReplayBody, RetryLayer, RetryPolicy};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

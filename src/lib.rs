@@ -121,8 +121,8 @@
 //!   A setter returns
 //!   `Result<Self, ConfigError>` exactly when its value can be wrong on its own (a multiplier
 //!   below 1, a jitter fraction above 1, an empty fallback chain), and fails at that call,
-//!   naming the setting. The one exception is [`Circuit`](fallback::Circuit), a value checked as a whole when
-//!   [`ModelFallbackLayer::circuit`] takes it. Two settings that bound each other never fail:
+//!   naming the setting. The one exception is [`Circuit`](fallback::Circuit), a value checked
+//!   as a whole when [`ModelFallbackLayer::circuit`] takes it. Two settings that bound each other never fail:
 //!   the bound wins (an `initial_backoff` above `max_backoff` backs off by `max_backoff`, a
 //!   circuit's `max_cooldown` below its `cooldown` does not double it).
 //! - **Layers** come in threes: `XLayer` builds the middleware `X<S>`, whose future is
@@ -162,8 +162,8 @@
 //!   `http.request.resend_count` on retries, `http.response.status_code`, `error.type`,
 //!   `gen_ai.request.model`). An `INFO` event before each retry, a `WARN` event on giving up.
 //!   `cargo run --example otel_tracing` prints them.
-//! - [`RetryObserver`](retry::RetryObserver): `on_retry(&RetryEvent)` before each sleep, `on_recovered(total_attempts)`,
-//!   `on_give_up(&RetryTrail)`.
+//! - [`RetryObserver`](retry::RetryObserver): `on_retry(&RetryEvent)` before each sleep,
+//!   `on_recovered(total_attempts)`, `on_give_up(&RetryTrail)`.
 //! - The companion layers log `INFO` events when they act (a refresh after `401`, a key
 //!   rotation, a fallback model, a `max_tokens` repair); [`ModelFallbackLayer`] opens an
 //!   `llm_fallback` span per call with `gen_ai.request.model` and `gen_ai.response.model`.

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tower_llm_retry::fleet::RedisFleet;
-use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder, RedisFleet};
 use tower_llm_retry::RetryPolicy;
 
 /// The prefix of every environment variable the proxy reads.

@@ -65,8 +65,8 @@
 //! rules; a proof still counts as "not sent" ([`Classify::request_not_sent`], which also counts a
 //! refused connection, a hyper-util connect error and [`RequestNotSent`]), so even a
 //! `NotReplaySafe` request is retried, with backoff. A request allowed no retries
-//! ([`NoRetry`](crate::retry::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps no copy
-//! and is sent exactly once.
+//! ([`NoRetry`](crate::retry::NoRetry), `max_retries(0)`, and the policy's last attempt) keeps
+//! no copy and is sent exactly once.
 //!
 //! hyper-util's legacy client also re-sends by itself, when `retry_canceled_requests` is on (its
 //! default), a request that hyper canceled before writing it on a reused connection. That

@@ -98,8 +98,8 @@ impl Circuit {
     }
 }
 
-/// The state of one target's circuit, as [`ModelFallbackLayer::circuit_states`](crate::ModelFallbackLayer::circuit_states)
-/// reads it.
+/// The state of one target's circuit, as
+/// [`ModelFallbackLayer::circuit_states`](crate::ModelFallbackLayer::circuit_states) reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CircuitState {

@@ -171,8 +171,8 @@ impl<C> RetryLayer<C> {
 
     /// Reads successful non-streaming response bodies whole, up to `cap` bytes, inside the
     /// retry loop: a body that fails or ends short (reset mid-body, content-length mismatch)
-    /// is then retried as [`FailureClass::TruncatedEnvelope`](crate::classify::FailureClass) instead of
-    /// failing in the caller's hands, and JSON that stopped at the output limit gets an
+    /// is then retried as [`FailureClass::TruncatedEnvelope`](crate::classify::FailureClass)
+    /// instead of failing in the caller's hands, and JSON that stopped at the output limit gets an
     /// [`OutputTruncated`](crate::stream::OutputTruncated) extension. A body larger than `cap`
     /// is handed on as it streams. Defaults to `None` (bodies stream through untouched).
     pub fn buffer_responses(mut self, cap: Option<usize>) -> Self {

@@ -105,7 +105,8 @@
 //! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh),
 //!   [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)), or return the
 //!   response without a retry (an overload from the last model of a fallback chain): these hold
-//!   whatever the classifier says, so a custom [`Classify`](crate::classify::Classify) cannot retry them;
+//!   whatever the classifier says, so a custom [`Classify`](crate::classify::Classify) cannot
+//!   retry them;
 //! - send the next attempt one model further down the fallback chain.
 //!
 //! A repair is carried by every later attempt of the request. Between the loop and a
@@ -148,11 +149,11 @@
 //! A failed attempt is recorded in the trail, then the loop decides, in this order (the first
 //! that applies wins):
 //!
-//! 1. Not retryable by the classifier: stop ([`GiveUpReason::NotRetryable`](crate::retry::GiveUpReason)).
-//! 2. Class [`NotProcessed`](crate::classify::FailureClass::NotProcessed), the first such failure of this
-//!    attempt, a copy of the request kept, no shutdown signalled: re-sent at once, also when
-//!    [`NotReplaySafe`]; no sleep, not counted as a retry, nothing drawn from the budget (see
-//!    [`classify`](crate::classify#http2-proofs-that-a-request-was-never-processed)).
+//! 1. Not retryable by the classifier: stop ([`GiveUpReason::NotRetryable`]).
+//! 2. Class [`NotProcessed`](crate::classify::FailureClass::NotProcessed), the first such
+//!    failure of this attempt, a copy of the request kept, no shutdown signalled: re-sent at
+//!    once, also when [`NotReplaySafe`]; no sleep, not counted as a retry, nothing drawn from
+//!    the budget (see [`classify`](crate::classify#http2-proofs-that-a-request-was-never-processed)).
 //! 3. [`NotReplaySafe`] and the failure does not prove the request was never sent
 //!    ([`Classify::request_not_sent`](crate::classify::Classify::request_not_sent)): stop.
 //! 4. Retries used up (`max_retries`): stop.

@@ -41,8 +41,8 @@
 //! output, and what the end check
 //! ([`RetryLayer::stream_end_check`](crate::RetryLayer::stream_end_check), on by default)
 //! waits for. `message_start`, `ping`, comments, empty events, role-only chunks and `[DONE]` are not
-//! output. [`Classify::classify_sse_event`](crate::classify::Classify::classify_sse_event) can decide
-//! otherwise.
+//! output. [`Classify::classify_sse_event`](crate::classify::Classify::classify_sse_event) can
+//! decide otherwise.
 //!
 //! | protocol ([`StreamProtocol`]) | visible output: the commit point | terminal event |
 //! |---|---|---|

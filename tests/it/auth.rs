@@ -14,8 +14,7 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthOutcome, CredentialHeader, RefreshingToken, Token};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{ApiKey, AuthLayer};
-use tower_llm_retry::{ErrorKind, ReplayBody, RetryLayer, RetryTrail};
+use tower_llm_retry::{ApiKey, AuthLayer, ErrorKind, ReplayBody, RetryLayer, RetryTrail};
 
 /// A refreshing source that starts with `tok-old` and hands out `tok-new-1`, `tok-new-2`, …,
 /// counting its calls; each call takes 10 ms, so concurrent requests pile up behind it.

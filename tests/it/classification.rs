@@ -7,8 +7,7 @@ use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::GiveUpReason;
-use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::retry::{GiveUpReason, Jitter};
 use tower_llm_retry::{ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
 
 fn layer(recorder: &Recorder) -> RetryLayer {

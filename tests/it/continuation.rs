@@ -9,8 +9,9 @@ use http::StatusCode;
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tower::{ServiceBuilder, ServiceExt};
-use tower_llm_retry::continuation::{ContinuationBody, DEFAULT_PROMPT};
-use tower_llm_retry::continuation::{Continued, TruncatedToolCall};
+use tower_llm_retry::continuation::{
+    ContinuationBody, Continued, TruncatedToolCall, DEFAULT_PROMPT,
+};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::stream::OutputTruncated;
 use tower_llm_retry::{ContinuationLayer, RetryBody, RetryLayer};

@@ -16,8 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::{GiveUpReason, TimedOut};
-use tower_llm_retry::retry::{Jitter, Random};
+use tower_llm_retry::retry::{GiveUpReason, Jitter, Random, TimedOut};
 use tower_llm_retry::{ErrorKind, ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 
 fn exact() -> RetryPolicy {

@@ -11,8 +11,7 @@ use proptest::prelude::*;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::{AboveCeiling, Jitter, Random};
-use tower_llm_retry::retry::{RetryEvent, RetryObserver};
+use tower_llm_retry::retry::{AboveCeiling, Jitter, Random, RetryEvent, RetryObserver};
 use tower_llm_retry::{ContextOverflowLayer, ModelFallbackLayer, RetryLayer, RetryPolicy};
 
 fn duration() -> impl Strategy<Value = Duration> {

@@ -11,13 +11,13 @@ use http::StatusCode;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::ApiKeyPool;
-use tower_llm_retry::fallback::ModelUsed;
-use tower_llm_retry::fallback::{Circuit, CircuitState, Target};
+use tower_llm_retry::fallback::{Circuit, CircuitState, ModelUsed, Target};
 use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script};
 use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::stream::StreamCommitted;
-use tower_llm_retry::{ApiKey, AuthLayer};
-use tower_llm_retry::{ErrorKind, ModelFallbackLayer, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::{
+    ApiKey, AuthLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryPolicy, RetryTrail,
+};
 
 const PRIMARY: &str = "claude-opus-4-1";
 const FALLBACK: &str = "claude-sonnet-4-5";

@@ -8,8 +8,7 @@ use crate::common::*;
 use http::StatusCode;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
-use tower_llm_retry::fallback::FallbackMode;
-use tower_llm_retry::fallback::{FallbackTriggered, ModelUsed};
+use tower_llm_retry::fallback::{FallbackMode, FallbackTriggered, ModelUsed};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::{

@@ -13,8 +13,7 @@ use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
-use tower_llm_retry::retry::GiveUpReason;
-use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::retry::{GiveUpReason, Jitter};
 use tower_llm_retry::{Error, ErrorKind, RetryBody, RetryLayer, RetryPolicy, RetryTrail};
 
 /// Two retries, no jitter, 10 s timeouts: sleeps of 0.5 s and 1 s.

@@ -13,8 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceBuilder, ServiceExt};
 use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::{GiveUpReason, RetryEvent, RetryObserver};
-use tower_llm_retry::retry::{Jitter, Random};
+use tower_llm_retry::retry::{GiveUpReason, Jitter, Random, RetryEvent, RetryObserver};
 use tower_llm_retry::{ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
 
 /// Samples 0, 0.01, 0.02, … 0.99, 0, … so that each waiter's share of the spread is known.

@@ -10,8 +10,7 @@ use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, RedisFleet, RedisState};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::retry::{GiveUpReason, Retry};
+use tower_llm_retry::retry::{GiveUpReason, Jitter, Retry};
 use tower_llm_retry::{RetryLayer, RetryPolicy, RetryTrail};
 
 #[path = "../common/redis.rs"]

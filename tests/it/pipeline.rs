@@ -13,17 +13,14 @@ use http::StatusCode;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthOutcome, RefreshingToken, Token};
-use tower_llm_retry::classify::FailureClass;
-use tower_llm_retry::classify::{Classification, Classify};
-use tower_llm_retry::fallback::FallbackMode;
-use tower_llm_retry::fallback::ModelUsed;
+use tower_llm_retry::classify::{Classification, Classify, FailureClass};
+use tower_llm_retry::fallback::{FallbackMode, ModelUsed};
 use tower_llm_retry::fleet::{Fleet, GateConfig};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::overflow::OverflowRepaired;
 use tower_llm_retry::retry::{GiveUpReason, NoRetry};
-use tower_llm_retry::AuthLayer;
 use tower_llm_retry::{
-    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryTrail,
+    AuthLayer, ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryTrail,
 };
 
 /// A classifier that retries every failure, with or without a response: the contracts of the

@@ -16,8 +16,7 @@ use proptest::prelude::*;
 use tower::Layer;
 use tower::{service_fn, ServiceExt};
 use tower_llm_retry::classify::headers::parse_retry_after;
-use tower_llm_retry::classify::SseVerdict;
-use tower_llm_retry::classify::{Classify, DefaultClassifier};
+use tower_llm_retry::classify::{Classify, DefaultClassifier, SseVerdict};
 use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
 
 /// A response body that yields the given chunks as separate frames.

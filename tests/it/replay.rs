@@ -14,9 +14,8 @@ use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::Jitter;
 use tower_llm_retry::retry::{
-    AttemptContext, GiveUpReason, NoRetry, NotReplaySafe, Override, TimedOut, TimeoutKind,
+    AttemptContext, GiveUpReason, Jitter, NoRetry, NotReplaySafe, Override, TimedOut, TimeoutKind,
 };
 use tower_llm_retry::{ErrorKind, ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
 

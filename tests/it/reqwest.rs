@@ -12,8 +12,7 @@ use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
 use tower_llm_retry::reqwest::ReqwestService;
 use tower_llm_retry::reqwest_middleware::RetryMiddleware;
-use tower_llm_retry::retry::Jitter;
-use tower_llm_retry::retry::{GiveUpReason, NoRetry, NotReplaySafe};
+use tower_llm_retry::retry::{GiveUpReason, Jitter, NoRetry, NotReplaySafe};
 use tower_llm_retry::stream::StreamCommitted;
 use tower_llm_retry::{Error, ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
 

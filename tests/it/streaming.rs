@@ -10,8 +10,7 @@ use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script, SseFrame};
-use tower_llm_retry::retry::GiveUpReason;
-use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::retry::{GiveUpReason, Jitter};
 use tower_llm_retry::stream::{CommitReason, OutputTruncated, StreamCommitted};
 use tower_llm_retry::{ErrorKind, RetryBody, RetryLayer, RetryPolicy, RetryTrail};
 

@@ -11,8 +11,7 @@ use http_body_util::Full;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::GiveUpReason;
-use tower_llm_retry::retry::Jitter;
+use tower_llm_retry::retry::{GiveUpReason, Jitter};
 use tower_llm_retry::{RetryLayer, RetryPolicy, RetryTrail};
 
 const API_KEY: &str = "sk-ant-api03-SECRETKEYMATERIAL";

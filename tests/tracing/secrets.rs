@@ -18,9 +18,8 @@ use tower_llm_retry::auth::{
 use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::overflow::OverflowRepaired;
-use tower_llm_retry::{ApiKey, AuthLayer};
 use tower_llm_retry::{
-    ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer, RetryTrail,
+    ApiKey, AuthLayer, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer, RetryTrail,
 };
 
 #[derive(Clone, Default)]
