@@ -1,147 +1,169 @@
-//! Sends requests through `RetryLayer` and hyper-util's client to a local mock LLM server that
-//! fails in the ways real APIs do, and prints what the layer did.
+//! The README's quick start: one message to the Anthropic Messages API over HTTPS, through
+//! `RetryLayer`, `ModelFallbackLayer` and `AuthLayer` on hyper-util's client with hyper-rustls.
 //!
 //! ```text
-//! cargo run --example quickstart
+//! ANTHROPIC_API_KEY=sk-ant-... cargo run --example quickstart   # the real API
+//! cargo run --example quickstart                                # no key: a local mock
 //! ```
+//!
+//! With `ANTHROPIC_API_KEY` set it talks to `https://api.anthropic.com` and trusts the
+//! webpki roots. Without it the same stack talks HTTPS to the crate's mock server on
+//! 127.0.0.1 (feature `mock`), trusting only the certificate authority the mock made at
+//! start, and the mock fails the way the real API does: a rate limit with `Retry-After`, then
+//! three overloads in a row. Either way the example prints every attempt the stack made.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnectorBuilder;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::{ServiceBuilder, ServiceExt};
+use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::{RetryEvent, RetryObserver};
-use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::{
+    ApiKey, AuthLayer, BoxError, ModelFallbackLayer, ReplayBody, RetryLayer, RetryTrail,
+};
 
-/// Prints one line per retry, with the time since the example started.
-#[derive(Debug, Clone)]
-struct Timeline {
-    start: Instant,
-}
+const ANTHROPIC: &str = "https://api.anthropic.com";
+const BODY: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"messages":[{"role":"user","content":"Say hello in five words."}]}"#;
+/// The key the mock accepts; any other gets the `401` the real API sends.
+const MOCK_KEY: &str = "sk-ant-mock-key";
 
-impl RetryObserver for Timeline {
-    fn on_retry(&self, e: &RetryEvent<'_>) {
-        let what = match (e.status, e.error) {
-            (Some(status), _) => format!(
-                "{} {}",
-                status.as_u16(),
-                status
-                    .canonical_reason()
-                    .unwrap_or(if status.as_u16() == 529 {
-                        "Overloaded"
-                    } else {
-                        ""
-                    })
-            ),
-            (None, Some(err)) => format!("error: {}", innermost(err)),
-            (None, None) => "failed".to_owned(),
-        };
-        let hint = e
-            .retry_after
-            .map(|d| format!(", server asked for {:.1?}", d))
-            .unwrap_or_default();
-        println!(
-            "  {:>6.2}s  attempt {}  {:<32} class {:<12} sleep {:.2?}{hint}",
-            self.start.elapsed().as_secs_f64(),
-            e.attempt,
-            what,
-            e.class.as_str(),
-            e.delay,
-        );
-    }
-}
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let (api_key, mock) = match std::env::var("ANTHROPIC_API_KEY") {
+        Ok(key) if !key.is_empty() => (key, None),
+        _ => (MOCK_KEY.to_owned(), Some(start_mock().await?)),
+    };
 
-fn innermost(mut err: &(dyn std::error::Error + 'static)) -> String {
-    while let Some(next) = err.source() {
-        err = next;
-    }
-    err.to_string()
-}
+    // The README's code, with the two differences a mock needs: whom the TLS client trusts
+    // and where the request goes.
+    let tls = HttpsConnectorBuilder::new();
+    let tls = match &mock {
+        None => tls.with_webpki_roots(),
+        Some(server) => tls.with_tls_config(server.tls_client_config().ok_or("no TLS")?),
+    };
+    let https = tls.https_only().enable_http1().enable_http2().build();
+    let client = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(https);
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let start = Instant::now();
-
-    // A local server on 127.0.0.1 that plays a script: one request after another.
-    let server = MockServer::start(
-        Script::new()
-            // Request 1: a rate limit, an overload, an outage, a dropped connection, then success.
-            .then(Reply::rate_limited("1"))
-            .then(Reply::overloaded())
-            .then(Reply::status(503))
-            .then(Reply::reset())
-            .then(Reply::success())
-            // Request 2: the account is out of credit; no wait will fix that.
-            .then(Reply::openai_error(
-                429,
-                "insufficient_quota",
-                "You exceeded your current quota",
-            ))
-            // Request 3: the server asks for a two-minute wait; not worth holding the caller.
-            // (The fleet's cooldown gate, on by default, would now hold the other requests
-            // of this key for up to the policy's 60 s ceiling, instead of letting them
-            // hammer a server that said to wait.)
-            .then(Reply::rate_limited("120")),
-    )
-    .await?;
-
-    let client = Client::builder(TokioExecutor::new()).build_http::<ReplayBody>();
-    let stack = ServiceBuilder::new()
-        .layer(
-            RetryLayer::new()
-                // The default policy, with shorter backoff so the demo is quick.
-                .policy(RetryPolicy::default().initial_backoff(Duration::from_millis(200)))
-                .observer(Timeline { start }),
-        )
+    let key = ApiKey::new(&api_key)?;
+    let fallback = ModelFallbackLayer::new(["claude-sonnet-4-5", "claude-haiku-4-5"])?;
+    let llm = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .layer(fallback)
+        .layer(AuthLayer::new(key))
         .service(client);
 
-    let body = r#"{"model":"claude-sonnet-4-5","max_tokens":256,"messages":[{"role":"user","content":"Hello"}]}"#;
-    let mut summary = Vec::new();
-    for n in 1..=3 {
-        println!("request {n}");
-        let req = Request::post(server.url("/v1/messages"))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(body.as_bytes())))?;
+    let url = match &mock {
+        None => format!("{ANTHROPIC}/v1/messages"),
+        Some(server) => server.url("/v1/messages"),
+    };
+    let requests = if mock.is_some() { 2 } else { 1 };
+    println!("POST {url}");
+
+    for n in 1..=requests {
         let sent = Instant::now();
-        let res = stack.clone().oneshot(req).await?;
-        let status = res.status();
-        let trail = res.extensions().get::<RetryTrail>().cloned();
-        let bytes = res.into_body().collect().await?.to_bytes();
+        let request = Request::post(&url)
+            .header("anthropic-version", "2023-06-01")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(BODY.as_bytes())))?;
+
+        println!("request {n}");
+        let response = match llm.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(e) => {
+                print_attempts(e.trail());
+                println!("  -> {:?} after {:.1?}: {e}", e.kind(), sent.elapsed());
+                return Err(e.into());
+            }
+        };
+
+        let status = response.status();
+        let trail = response.extensions().get::<RetryTrail>().cloned();
+        let used = response.extensions().get::<ModelUsed>().cloned();
+        let body = response.into_body().collect().await?.to_bytes();
+
+        print_attempts(trail.as_ref());
         let attempts = trail.as_ref().map_or(1, |t| t.total_attempts());
-        let why = trail
-            .as_ref()
-            .and_then(|t| t.gave_up())
-            .map(|r| format!(" (stopped: {r:?})"))
-            .unwrap_or_default();
+        let model = used.as_ref().map_or("?", |u| u.model.as_str());
+        let asked_for = used.as_ref().map_or("?", |u| u.requested.as_str());
         println!(
-            "  {:>6.2}s  -> {status} after {attempts} attempt(s){why}, {} body bytes",
-            start.elapsed().as_secs_f64(),
-            bytes.len()
+            "  -> {status} from {model} (asked for {asked_for}) after {attempts} attempt(s) in {:.1?}",
+            sent.elapsed(),
         );
-        summary.push((n, status, attempts, sent.elapsed(), why));
+        println!("  {}", answer_text(&body));
     }
 
-    let received = server.requests();
-    let first = &received[0].body;
-    let first_attempts = summary[0].2 as usize;
-    let identical = received[..first_attempts].iter().all(|r| r.body == *first);
-    println!();
-    println!("summary");
-    println!("  request  status  attempts  time");
-    for (n, status, attempts, took, why) in &summary {
+    if let Some(server) = mock {
+        let received = server.requests();
+        let keyed = received
+            .iter()
+            .filter(|r| r.headers.get("x-api-key").is_some_and(|v| v == MOCK_KEY))
+            .count();
+        let models: Vec<String> = received
+            .iter()
+            .map(|r| {
+                r.json()
+                    .ok()
+                    .and_then(|v| v.get("model")?.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            })
+            .collect();
+        let version = received
+            .first()
+            .map_or(http::Version::HTTP_11, |r| r.version);
         println!(
-            "  {n:>7}  {:>6}  {attempts:>8}  {:>5.2}s{why}",
-            status.as_u16(),
-            took.as_secs_f64()
+            "the mock received {} requests over TLS and {version:?}, {keyed} of them with the key; models sent: {}",
+            received.len(),
+            models.join(", ")
         );
+        println!("set ANTHROPIC_API_KEY to send the same request to {ANTHROPIC}");
     }
-    println!(
-        "  the server received {} requests; the {first_attempts} attempts of request 1 carried identical bodies: {identical}",
-        received.len()
-    );
     Ok(())
+}
+
+/// One line per failed attempt: its status (or the error when it got none), its class, the
+/// wait the server asked for and the sleep the loop took.
+fn print_attempts(trail: Option<&RetryTrail>) {
+    for a in trail.map_or(&[][..], |t| t.attempts()) {
+        let what = match (a.status, &a.error) {
+            (Some(s), _) => format!("{} {}", s.as_u16(), a.class.as_str()),
+            (None, Some(error)) => format!("{}: {error}", a.class.as_str()),
+            (None, None) => a.class.as_str().to_owned(),
+        };
+        let asked = a
+            .retry_after
+            .map(|d| format!(", server asked for {d:?}"))
+            .unwrap_or_default();
+        let slept = a
+            .delay
+            .map(|d| format!(", slept {d:.2?}"))
+            .unwrap_or_default();
+        println!("  attempt {}: {what}{asked}{slept}", a.attempt);
+    }
+}
+
+/// A local HTTPS server that answers like the Anthropic API: the first request is rate
+/// limited once, the second is overloaded three times in a row (so the third retry goes to the
+/// fallback model), and any other key than [`MOCK_KEY`] gets a `401`.
+async fn start_mock() -> Result<MockServer, BoxError> {
+    let script = Script::new()
+        .require_header("x-api-key", [MOCK_KEY])
+        .then(Reply::rate_limited("1"))
+        .then(Reply::success())
+        .then(Reply::overloaded())
+        .then(Reply::overloaded())
+        .then(Reply::overloaded());
+    Ok(MockServer::builder(script).tls(true).start().await?)
+}
+
+/// The text of a Messages API answer, or the body as it came when it is not one.
+fn answer_text(body: &Bytes) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.pointer("/content/0/text")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
 }

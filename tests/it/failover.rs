@@ -621,7 +621,7 @@ async fn a_stream_cut_after_the_commit_point_never_falls_back() {
     assert!(layer.circuit_states()[0].state.is_closed());
 }
 
-/// The interactive recipe of the README and the module docs, jitter aside.
+/// The interactive recipe of the `fallback` module docs, jitter aside.
 fn interactive() -> (RetryPolicy, ModelFallbackLayer) {
     let policy = RetryPolicy::interactive()
         .jitter(tower_llm_retry::retry::Jitter::none())
