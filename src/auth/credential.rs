@@ -238,10 +238,10 @@ impl fmt::Debug for CredentialFuture {
     }
 }
 
-/// Where [`AuthLayer`](crate::AuthLayer) gets the credential for each request, and what it
+/// Where [`AuthLayer`](super::AuthLayer) gets the credential for each request, and what it
 /// tells when the server rejects or rate-limits one.
 ///
-/// The crate ships three: [`ApiKey`](crate::ApiKey) (one static key),
+/// The crate ships three: [`ApiKey`](super::ApiKey) (one static key),
 /// [`ApiKeyPool`](super::ApiKeyPool) (several keys, rotated on rate limits) and
 /// [`RefreshingToken`](super::RefreshingToken) (a token fetched by an async closure, refreshed
 /// ahead of expiry and on `401`, single-flight). Wrap a source in an `Arc` to share it between

@@ -14,7 +14,7 @@ use crate::pipeline::RetryBody;
 /// Middleware that puts a credential on every request, refreshes it once on `401`, and moves
 /// to another key of a pool on a rate limit.
 ///
-/// Built by [`AuthLayer`](crate::AuthLayer); see the [module docs](crate::auth). Errors of
+/// Built by [`AuthLayer`](super::AuthLayer); see the [module docs](crate::auth). Errors of
 /// the inner service pass through untouched; the layer's own
 /// ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), and body errors when it
 /// buffers the body itself) are an [`Error`](crate::Error), boxed.

@@ -14,7 +14,7 @@ use crate::error::BoxError;
 /// Middleware that continues a non-streaming answer stopped at the output limit with
 /// append-only follow-ups, and returns one stitched response.
 ///
-/// Built by [`ContinuationLayer`](crate::ContinuationLayer); see the
+/// Built by [`ContinuationLayer`](super::ContinuationLayer); see the
 /// [module docs](crate::continuation). Errors of the inner service pass through untouched
 /// (on the first request; a follow-up's error ends the continuation with what it has); the
 /// layer's own (body errors when it buffers the request) are an [`Error`](crate::Error), boxed.

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::error::ConfigError;
 
-/// The settings of the circuit [`ModelFallbackLayer::circuit`](crate::ModelFallbackLayer::circuit)
+/// The settings of the circuit [`ModelFallbackLayer::circuit`](super::ModelFallbackLayer::circuit)
 /// gives every target of its chain.
 ///
 /// After `failures` failures of the layer's trigger classes within `window`, a target opens
@@ -98,8 +98,8 @@ impl Circuit {
     }
 }
 
-/// The state of one target's circuit, as
-/// [`ModelFallbackLayer::circuit_states`](crate::ModelFallbackLayer::circuit_states) reads it.
+/// The state of one target's circuit, as [`ModelFallbackLayer::circuit_states`](super::ModelFallbackLayer::circuit_states)
+/// reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CircuitState {

@@ -14,7 +14,7 @@ use crate::pipeline::RetryBody;
 /// Middleware that moves a request to the next model of a chain once the current one has
 /// been overloaded several times in a row.
 ///
-/// Built by [`ModelFallbackLayer`](crate::ModelFallbackLayer); see the
+/// Built by [`ModelFallbackLayer`](super::ModelFallbackLayer); see the
 /// [module docs](crate::fallback). Errors of the inner service pass through untouched; the
 /// layer's own ([`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered), and
 /// body errors when it buffers the body itself) are an [`Error`](crate::Error), boxed.

@@ -14,7 +14,7 @@ use crate::error::BoxError;
 /// Middleware for MCP streamable-HTTP clients that marks each JSON-RPC request for
 /// [`RetryLayer`](crate::RetryLayer) by what it calls, and keeps the session id.
 ///
-/// Built by [`McpGateLayer`](crate::McpGateLayer); see the [module docs](crate::mcp). Errors
+/// Built by [`McpGateLayer`](super::McpGateLayer); see the [module docs](crate::mcp). Errors
 /// of the inner service pass through untouched; the layer's own (body errors while it
 /// buffers the request) are an [`Error`](crate::Error), boxed.
 #[derive(Clone, Debug)]

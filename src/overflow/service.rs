@@ -14,7 +14,7 @@ use crate::pipeline::RetryBody;
 /// Middleware that re-sends, once and at once, a request whose `max_tokens` does not fit the
 /// context window, with a smaller `max_tokens`.
 ///
-/// Built by [`ContextOverflowLayer`](crate::ContextOverflowLayer); see the
+/// Built by [`ContextOverflowLayer`](super::ContextOverflowLayer); see the
 /// [module docs](crate::overflow). An overflow it cannot repair goes back with a
 /// [`ContextWindowExceeded`](super::ContextWindowExceeded) extension. Errors of the inner
 /// service pass through untouched; the layer's own (body errors when it buffers the body itself) are an
