@@ -2,7 +2,7 @@
 //! fails in the ways real APIs do, and prints what the layer did.
 //!
 //! ```text
-//! cargo run --example quickstart
+//! cargo run --example quickstart --features mock
 //! ```
 
 use std::time::{Duration, Instant};
