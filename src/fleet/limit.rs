@@ -855,7 +855,7 @@ impl Pacer {
     #[inline]
     pub(crate) fn dormant_send(&self) {
         let n = self.dormant_sends.fetch_add(1, Ordering::Relaxed);
-        if n % SAMPLE_EVERY == 0 {
+        if n.is_multiple_of(SAMPLE_EVERY) {
             self.sample(n);
         }
     }
