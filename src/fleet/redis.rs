@@ -33,6 +33,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::budget::{BudgetConfig, SharedBudget};
 use super::gate::Gate;
 use super::limit::Pacer;
+use super::store::RemoteOutcome;
 use crate::error::ConfigError;
 
 /// Where a fleet keeps its state across processes: one scope (an upstream and a credential)
@@ -242,83 +243,19 @@ impl Keys {
 
 /// Closes the gate on Redis's clock, only ever later, and publishes the new deadline.
 /// Returns Redis's time, the deadline in force and the wait it was announced with.
-const CLOSE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local wait = tonumber(ARGV[2])
-local until_ms = now + wait
-local cur = redis.call('HMGET', KEYS[1], 'until', 'wait')
-local cu = tonumber(cur[1]) or 0
-if until_ms > cu then
-  redis.call('HSET', KEYS[1], 'until', until_ms, 'wait', ARGV[3])
-  redis.call('PEXPIREAT', KEYS[1], until_ms + 60000)
-  redis.call('PUBLISH', ARGV[1], ARGV[4] .. ' ' .. wait .. ' ' .. ARGV[3])
-  return {now, until_ms, tonumber(ARGV[3])}
-end
-return {now, cu, tonumber(cur[2]) or 0}
-";
+const CLOSE: &str = include_str!("redis_scripts/close.lua");
 
 /// Reads the gate and says this process is alive. Returns Redis's time, the gate's deadline
 /// and announced wait (0 when open), the number of live processes and the pacing rate (an
 /// empty string when there is none yet).
-const POLL: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local live = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - live)
-redis.call('PEXPIRE', KEYS[2], live * 2)
-local n = redis.call('ZCARD', KEYS[2])
-local g = redis.call('HMGET', KEYS[1], 'until', 'wait')
-local rate = redis.call('HGET', KEYS[3], 'rate')
-return {now, tonumber(g[1]) or 0, tonumber(g[2]) or 0, n, rate or ''}
-";
+const POLL: &str = include_str!("redis_scripts/poll.lua");
 
 /// The fleet-wide budget: deposits and withdrawals counted in slots of Redis's clock over
 /// one window, as `TpsBudget` counts them in one process. Adds this process's deposits (and
 /// the retries it made beyond its grant, if any), takes back the grant it holds, and grants
 /// up to `want` anew from what the window allows: `reserve + ratio × deposits −
 /// withdrawals`. Returns the grant and the slot it is counted in.
-const BUDGET: &str = r"
-local done = redis.call('GET', KEYS[2])
-if done then
-  local id, grant, cur = string.match(done, '^(%d+):(%d+):(%d+)$')
-  if id == ARGV[10] then return {tonumber(grant), tonumber(cur)} end
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local slot_ms = tonumber(ARGV[1])
-local slots = tonumber(ARGV[2])
-local cur = math.floor(now / slot_ms)
-local first = cur - slots + 1
-local dep = tonumber(ARGV[5])
-if dep > 0 then redis.call('HINCRBY', KEYS[1], 'd' .. cur, dep) end
-local ret = tonumber(ARGV[6])
-local rslot = tonumber(ARGV[7])
-if ret > 0 and rslot >= first then redis.call('HINCRBY', KEYS[1], 'w' .. rslot, -ret) end
-local debt = tonumber(ARGV[9])
-if debt > 0 then redis.call('HINCRBY', KEYS[1], 'w' .. cur, debt) end
-local all = redis.call('HGETALL', KEYS[1])
-local d, w = 0, 0
-for i = 1, #all, 2 do
-  local f = all[i]
-  local s = tonumber(string.sub(f, 2))
-  local v = tonumber(all[i + 1])
-  if s == nil or s < first then
-    redis.call('HDEL', KEYS[1], f)
-  elseif string.sub(f, 1, 1) == 'd' then
-    d = d + v
-  else
-    w = w + v
-  end
-end
-local balance = tonumber(ARGV[3]) + tonumber(ARGV[4]) * d - w
-local grant = math.max(0, math.min(tonumber(ARGV[8]), math.floor(balance)))
-if grant > 0 then redis.call('HINCRBY', KEYS[1], 'w' .. cur, grant) end
-redis.call('PEXPIRE', KEYS[1], slot_ms * slots * 2)
-redis.call('SET', KEYS[2], ARGV[10] .. ':' .. grant .. ':' .. cur, 'PX', slot_ms * slots * 2)
-return {grant, cur}
-";
+const BUDGET: &str = include_str!("redis_scripts/budget.lua");
 
 /// The longest pause between two attempts to reach Redis again.
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -339,88 +276,14 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// which the limit's own script, sent only when the limit changes, would not reach again.
 /// Returns the epoch, the rate, when to ask again (µs; 0: nothing left) and, per attempt, a
 /// code (1 booked, 0 refused, 2 later) and the wait (µs, from `ARGV[9]` on).
-const RESERVE: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local h = redis.call('HMGET', KEYS[1], 'tat', 'rate', 'epoch', 'ss', 'cap', 'last')
-local max = tonumber(ARGV[3])
-local stated = tonumber(ARGV[8])
-if stated <= 0 then stated = nil end
-local cap = tonumber(h[5]) or stated or max
-local ceiling = math.min(cap, max)
-local tat = tonumber(h[1]) or now
-local rate = tonumber(h[2]) or math.min(tonumber(ARGV[1]), ceiling)
-local epoch = tonumber(h[3]) or 0
-local ss = tonumber(h[4]) or 1
-local last = tonumber(h[6]) or now
-if tat > now then
-  if ss == 1 then
-    local dt = math.min(math.max(now - last, 0), 1000) / 1000
-    rate = math.min(rate * 2 ^ dt, ceiling)
-  else
-    rate = math.min(rate + tonumber(ARGV[4]) * tonumber(ARGV[5]), ceiling)
-  end
-end
-if tat < now then tat = now end
-local horizon = tonumber(ARGV[6])
-local procs = math.max(1, tonumber(ARGV[7]), redis.call('ZCARD', KEYS[2]))
-local share = math.max(1, math.ceil(horizon * rate / 1000 / procs))
-local n = #ARGV - 8
-local out = {epoch, tostring(rate), 0}
-local booked = 0
-local ahead = tat
-for i = 1, n do
-  local wait = ahead - now
-  local code = 2
-  if wait > tonumber(ARGV[8 + i]) then
-    code = 0
-  elseif booked < share and wait <= horizon then
-    code = 1
-    booked = booked + 1
-    tat = tat + 1000 / rate
-  elseif out[3] == 0 then
-    out[3] = math.floor(math.max(wait - horizon / 2, horizon / 4) * 1000)
-  end
-  if code == 1 then ahead = tat elseif code == 2 then ahead = ahead + 1000 / rate end
-  out[#out + 1] = code
-  out[#out + 1] = math.floor(wait * 1000)
-end
-redis.call('HSET', KEYS[1], 'tat', tat, 'rate', rate, 'epoch', epoch, 'ss', ss, 'cap', cap, 'last', now)
-redis.call('PEXPIRE', KEYS[1], 3600000)
-return out
-";
+const RESERVE: &str = include_str!("redis_scripts/reserve.lua");
 
 /// A refusal of an attempt sent in epoch `ARGV[1]`: the fleet's rate decreases once per
 /// epoch, whichever process saw it (by at most half the first time, which ends slow start).
-const REFUSE: &str = r"
-local h = redis.call('HMGET', KEYS[1], 'rate', 'epoch', 'ss', 'cap')
-local epoch = tonumber(h[2]) or 0
-local rate = tonumber(h[1]) or tonumber(ARGV[4])
-if tonumber(ARGV[1]) < epoch then return tostring(rate) end
-local f = tonumber(ARGV[2])
-if (tonumber(h[3]) or 1) == 1 then f = math.min(f, 0.5) end
-rate = math.max(rate * f, tonumber(ARGV[3]))
-local cap = tonumber(h[4])
-if cap then rate = math.min(rate, cap) end
-rate = math.min(rate, tonumber(ARGV[5]))
-redis.call('HSET', KEYS[1], 'rate', rate, 'epoch', epoch + 1, 'ss', 0)
-redis.call('PEXPIRE', KEYS[1], 3600000)
-return tostring(rate)
-";
+const REFUSE: &str = include_str!("redis_scripts/refuse.lua");
 
 /// A stated request limit: the cap of the fleet's rate.
-const LIMIT: &str = r"
-local cap = tonumber(ARGV[1])
-redis.call('HSET', KEYS[1], 'cap', cap)
-local rate = tonumber(redis.call('HGET', KEYS[1], 'rate'))
-if rate and rate > cap then redis.call('HSET', KEYS[1], 'rate', cap) end
-redis.call('PEXPIRE', KEYS[1], 3600000)
-return tostring(math.min(rate or cap, cap))
-";
-
-/// Marks the epochs of the fleet's schedule, so that a refusal is reported to the schedule
-/// its attempt had its turn from.
-pub(crate) const REMOTE_EPOCH: u64 = 1 << 63;
+const LIMIT: &str = include_str!("redis_scripts/limit.lua");
 
 const CONNECTING: u8 = 0;
 const CONNECTED: u8 = 1;
@@ -726,16 +589,6 @@ enum Reserved {
 pub(crate) struct RemoteTurn {
     reserve: Option<tokio::sync::oneshot::Receiver<Result<Reserved, ()>>>,
     sleep: Option<(std::pin::Pin<Box<tokio::time::Sleep>>, u64)>,
-}
-
-/// How a turn of the fleet's schedule ended.
-pub(crate) enum RemoteOutcome {
-    /// The slot came: go, in this epoch.
-    Go(u64),
-    /// The slot would come this far off, later than the attempt may wait: nothing booked.
-    TooFar(Duration),
-    /// Redis did not answer in time: take a turn of the local line instead.
-    Failed,
 }
 
 impl RemoteTurn {
