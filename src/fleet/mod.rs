@@ -188,7 +188,23 @@ let layer = RetryLayer::new().fleet(fleet);
 //! state per scope by default: the upstream (the request URI's authority) and a hash of the
 //! credential header (`authorization`, `x-api-key`, `api-key`, `x-goog-api-key`). A
 //! credential set by an inner [`AuthLayer`](crate::AuthLayer) is not seen: such requests are
-//! scoped by upstream.
+//! scoped by upstream. A [`scope_key`](FleetBuilder::scope_key) hook names scopes otherwise
+//! (a gateway scopes by its own name for the upstream and the tenant's credential, say).
+//!
+//! The fleet's read-outs ([`Fleet::budget_stats`], [`Fleet::gate_closings`],
+//! [`Fleet::gate_closed_until`], [`Fleet::pace`], [`Fleet::pacing_refused`]) sum or report
+//! over its scopes, so a dashboard reads the handle it built; each scope's handle
+//! ([`Fleet::scopes`], [`Fleet::scope_for`]) reads its own:
+//!
+//! ```
+//! use tower_llm_retry::fleet::Fleet;
+//!
+//! let fleet = Fleet::default();
+//! for scope in fleet.scopes() {
+//!     println!("{:?}: {:?}", scope.scope_upstream(), scope.budget_stats());
+//! }
+//! println!("all: {:?}, gate closed until {:?}", fleet.budget_stats(), fleet.gate_closed_until());
+//! ```
 //!
 //! # Differences from `tower::retry` with a budget
 //!
