@@ -105,7 +105,13 @@ impl Proxy {
         Ok(Proxy {
             state: Arc::new(State {
                 routes: Routes::new(&config.upstream),
-                tenants: Tenants::new(config.max_tenants),
+                // The fleets' bound, over every upstream: no tenant a fleet keeps loses its
+                // client budget.
+                tenants: Tenants::new(
+                    config
+                        .max_tenants
+                        .saturating_mul(config.upstream.len().max(1)),
+                ),
                 limit: Arc::new(Semaphore::new(config.max_concurrent_requests)),
                 factories,
                 metrics,

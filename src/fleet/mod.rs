@@ -280,9 +280,10 @@ pub(crate) struct Limits<'a> {
 /// ([`Fleet::default`]), shared by the services it makes and by its clones, however they are
 /// re-configured.
 ///
-/// The state can be read while requests run: [`gate_closed_until`](Fleet::gate_closed_until),
+/// The state can be read while requests run, summed or reported over the fleet's scopes:
+/// [`gate_closed_until`](Fleet::gate_closed_until), [`gate_closings`](Fleet::gate_closings),
 /// [`pace`](Fleet::pace), [`pacing_refused`](Fleet::pacing_refused),
-/// [`budget_stats`](Fleet::budget_stats).
+/// [`budget_stats`](Fleet::budget_stats); a scope's handle ([`Fleet::scopes`]) reads its own.
 #[derive(Clone)]
 pub struct Fleet {
     inner: Arc<FleetState>,
