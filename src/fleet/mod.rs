@@ -375,7 +375,7 @@ impl FleetBuilder {
     /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
     /// lookup under a read lock; only the first request of a scope allocates. The map holds
     /// at most [`max_scopes`](Self::max_scopes) scopes. A new scope past the bound takes
-    /// the place of one that no request holds at that moment (what it learnt is forgotten,
+    /// the place of the oldest that no request holds at that moment (what it learnt is forgotten,
     /// what it counted stays in the fleet's sums), so credentials that
     /// rotate do not fill it for good; when all are in use, its requests share the fleet's
     /// own state (one budget, gate and pace for all of them, as with `per_scope(false)`).

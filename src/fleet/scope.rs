@@ -2,6 +2,7 @@
 //! credential, made on a scope's first request and kept in a bounded map.
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -25,10 +26,19 @@ pub(crate) struct Scopes {
     /// What names a request's scope, when not its upstream and credential headers.
     key: Option<KeyFn>,
     hasher: foldhash::fast::RandomState,
-    map: RwLock<ScopeMap>,
+    kept: RwLock<Kept>,
     max: usize,
     /// What the scopes dropped to make room had counted: the fleet's sums only grow.
     retired: Retired,
+}
+
+/// The scopes kept.
+#[derive(Default)]
+struct Kept {
+    map: ScopeMap,
+    /// The keys in the order they were made or passed over: where the search for a scope
+    /// to drop starts. Only touched when a scope is made.
+    order: VecDeque<u64>,
 }
 
 /// The scopes by the foldhash of their upstream and credential: the key is a hash already (of
@@ -151,28 +161,28 @@ impl Scopes {
             template,
             key,
             hasher: foldhash::fast::RandomState::default(),
-            map: RwLock::new(ScopeMap::default()),
+            kept: RwLock::new(Kept::default()),
             max,
             retired: Retired::default(),
         }
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, ScopeMap> {
-        self.map.read().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> RwLockReadGuard<'_, Kept> {
+        self.kept.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, ScopeMap> {
-        self.map.write().unwrap_or_else(PoisonError::into_inner)
+    fn write(&self) -> RwLockWriteGuard<'_, Kept> {
+        self.kept.write().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// How many scopes are kept.
     pub(super) fn len(&self) -> usize {
-        self.read().len()
+        self.read().map.len()
     }
 
     /// Calls `f` with each scope kept.
     pub(super) fn for_each(&self, mut f: impl FnMut(&Fleet)) {
-        for scope in self.read().values() {
+        for scope in self.read().map.values() {
             f(scope);
         }
     }
@@ -203,25 +213,33 @@ impl Scopes {
         key: u64,
         name: impl FnOnce() -> (Cow<'n, str>, Cow<'n, [u8]>),
     ) -> Option<Fleet> {
-        if let Some(f) = self.read().get(&key) {
+        if let Some(f) = self.read().map.get(&key) {
             return Some(f.clone());
         }
-        let mut map = self.write();
+        let mut kept = self.write();
+        let Kept { map, order } = &mut *kept;
         if let Some(f) = map.get(&key) {
             return Some(f.clone());
         }
         if map.len() >= self.max {
             // Full: a scope no request holds makes room (its state is what a new scope would
             // start from anyway, less what it learnt), so rotating credentials (hourly bearer
-            // tokens) do not fill the map for good. With every scope in use, the request
-            // shares the fleet's own state.
-            let idle = map
-                .iter()
-                .find(|(_, f)| Arc::strong_count(&f.inner) == 1)
-                .map(|(k, _)| *k)?;
-            if let Some(dropped) = map.remove(&idle) {
-                self.retire(&dropped);
+            // tokens) do not fill the map for good. The oldest first; one in use goes to the
+            // back (a second chance), so the scopes of long requests are not looked at again
+            // and again. With every scope in use, the request shares the fleet's own state.
+            let mut dropped = None;
+            for _ in 0..order.len() {
+                let Some(k) = order.pop_front() else { break };
+                match map.get(&k) {
+                    Some(f) if Arc::strong_count(&f.inner) > 1 => order.push_back(k),
+                    Some(_) => {
+                        dropped = map.remove(&k);
+                        break;
+                    }
+                    None => {}
+                }
             }
+            self.retire(&dropped?);
         }
         let (upstream, credential) = name();
         let fleet = self
@@ -236,6 +254,7 @@ impl Scopes {
                 }),
             );
         map.insert(key, fleet.clone());
+        order.push_back(key);
         Some(fleet)
     }
 
@@ -428,6 +447,30 @@ mod tests {
         // No tenant: the hook names nothing, the fleet's own state.
         let none = fleet.scope_for(&req("https://one.example.com/", "k"));
         assert!(none.ptr_eq(&fleet));
+        assert_eq!(fleet.scopes().len(), 2);
+    }
+
+    /// Past the bound, the oldest scope no request holds makes room; one in use is passed
+    /// over, and with all in use a new scope shares the fleet's own state.
+    #[test]
+    fn the_oldest_idle_scope_makes_room() {
+        let fleet = Fleet::builder().max_scopes(2).build();
+        let key = |k: &str| req("https://api.example.com/", k);
+        let a = fleet.scope_for(&key("a"));
+        drop(fleet.scope_for(&key("b")));
+        // a is held, b is not: c takes b's place.
+        let c = fleet.scope_for(&key("c"));
+        assert_eq!(fleet.scopes().len(), 2);
+        assert!(fleet.scope_for(&key("a")).ptr_eq(&a));
+        // Both held: d shares the fleet's own state, and nothing is dropped.
+        let d = fleet.scope_for(&key("d"));
+        assert!(d.ptr_eq(&fleet));
+        assert!(fleet.scope_for(&key("c")).ptr_eq(&c));
+        // a let go (it was passed over, so it is now behind c): e takes its place.
+        drop(a);
+        let e = fleet.scope_for(&key("e"));
+        assert!(!e.ptr_eq(&fleet));
+        assert!(fleet.scope_for(&key("c")).ptr_eq(&c));
         assert_eq!(fleet.scopes().len(), 2);
     }
 
