@@ -215,7 +215,7 @@ fn fleet(mode: Mode, pacing: PacingConfig, redis: Option<(&str, &str)>) -> Fleet
     // The modes name what is on: "gate + budget" has no pacing at all (not even the
     // fleet's default, dormant one), "pacing" the eager pacing of `PacingConfig::new`.
     let mut b = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new()))
+        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
         .pacing(None);
     if mode == Mode::Pacing {
         b = b.pacing(Some(pacing));
@@ -358,7 +358,14 @@ async fn main() {
                 let fleets: Vec<Fleet> = (0..n)
                     .map(|_| {
                         let redis = shared.then_some((url.as_str(), prefix.as_str()));
-                        fleet(mode, PacingConfig::new(), redis)
+                        fleet(
+                            mode,
+                            PacingConfig::new()
+                                .dormant(false)
+                                .burst(Duration::ZERO)
+                                .unwrap(),
+                            redis,
+                        )
                     })
                     .collect();
                 wait_connected(&fleets).await;
@@ -422,7 +429,12 @@ async fn main() {
             continue;
         }
         // A rate no client reaches: what is measured is the admission, not the wait.
-        let pacing = PacingConfig::new().rates(1.0e6, 1.0, 1.0e6).unwrap();
+        let pacing = PacingConfig::new()
+            .dormant(false)
+            .burst(Duration::ZERO)
+            .unwrap()
+            .rates(1.0e6, 1.0, 1.0e6)
+            .unwrap();
         let prefix = format!("bench-latency-{}", rand_suffix());
         let f = fleet(
             mode,

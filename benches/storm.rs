@@ -55,9 +55,10 @@
 //!   `429` / `529` or stated limit, then from the rate measured over the last second, with
 //!   a burst of 1 s), a state per scope.
 //! - `default_gate_budget`: the budget with the cooldown gate and the adaptive pacing as
-//!   configured explicitly (`.cooldown_gate(Some(GateConfig::default()))
-//!   .pacing(Some(PacingConfig::default()))`): every `Retry-After` closes the gate, and the
-//!   pacing paces from the first attempt, starting at 50 requests/s in slow start.
+//!   configured explicitly (`GateConfig::new().min_close(Duration::ZERO)`,
+//!   `PacingConfig::new().dormant(false).burst(Duration::ZERO)`): every `Retry-After` closes
+//!   the gate, and the pacing paces from the first attempt, starting at 50 requests/s in slow
+//!   start.
 //!
 //! This crate's rows drive the real `RetryLayer` over an in-memory `tower::Service` that is the
 //! simulated server, so the budget and the gate run for real; every client clones one service.
@@ -595,8 +596,13 @@ impl Runner {
                     .fleet(
                         Fleet::builder()
                             .budget(Some(BudgetConfig::default()))
-                            .cooldown_gate(Some(GateConfig::default()))
-                            .pacing(Some(PacingConfig::default()))
+                            .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
+                            .pacing(Some(
+                                PacingConfig::new()
+                                    .dormant(false)
+                                    .burst(Duration::ZERO)
+                                    .unwrap(),
+                            ))
                             .build(),
                     )
                     .layer(SimService(sim.clone())),

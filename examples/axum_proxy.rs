@@ -3,7 +3,7 @@
 //! (SSE) response back to its own caller.
 //!
 //! ```text
-//! cargo run --example axum_proxy
+//! cargo run --example axum_proxy --features mock
 //! ```
 //!
 //! Here the upstream is the crate's mock server; point `app` at a real API (with a TLS

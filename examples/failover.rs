@@ -2,7 +2,7 @@
 //! off a primary that is down.
 //!
 //! ```text
-//! cargo run --example failover
+//! cargo run --example failover --features mock
 //! ```
 //!
 //! Two mock servers stand in for the providers: the primary answers `503` to everything, the

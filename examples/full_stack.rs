@@ -2,7 +2,7 @@
 //! ModelFallbackLayer, ContextOverflowLayer and AuthLayer, printing what each layer did.
 //!
 //! ```text
-//! cargo run --example full_stack
+//! cargo run --example full_stack --features mock
 //! ```
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -2,7 +2,7 @@
 //! most direct way to use the crate.
 //!
 //! ```text
-//! cargo run --example hyper_client
+//! cargo run --example hyper_client --features mock
 //! ```
 //!
 //! The mock serves TLS with a certificate authority made at start, and the client trusts that

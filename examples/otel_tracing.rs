@@ -5,7 +5,7 @@
 //! `tracing-opentelemetry` layer exports them as they are; no network is used here.
 //!
 //! ```text
-//! cargo run --example otel_tracing
+//! cargo run --example otel_tracing --features mock
 //! ```
 
 use std::time::Duration;

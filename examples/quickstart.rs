@@ -2,8 +2,8 @@
 //! `RetryLayer`, `ModelFallbackLayer` and `AuthLayer` on hyper-util's client with hyper-rustls.
 //!
 //! ```text
-//! ANTHROPIC_API_KEY=sk-ant-... cargo run --example quickstart   # the real API
-//! cargo run --example quickstart                                # no key: a local mock
+//! ANTHROPIC_API_KEY=sk-ant-... cargo run --example quickstart --features mock   # the real API
+//! cargo run --example quickstart --features mock                                # no key: a local mock
 //! ```
 //!
 //! With `ANTHROPIC_API_KEY` set it talks to `https://api.anthropic.com` and trusts the

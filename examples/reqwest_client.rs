@@ -2,7 +2,7 @@
 //! negotiated by ALPN.
 //!
 //! ```text
-//! cargo run --example reqwest_client
+//! cargo run --example reqwest_client --features mock,reqwest
 //! ```
 //!
 //! This crate leaves reqwest's TLS to the application. The example enables reqwest's

@@ -2,7 +2,7 @@
 //! where `reqwest-retry`'s `RetryTransientMiddleware` would go.
 //!
 //! ```text
-//! cargo run --example reqwest_middleware
+//! cargo run --example reqwest_middleware --features mock,reqwest-middleware
 //! ```
 
 use reqwest_middleware::ClientBuilder;

@@ -3,7 +3,7 @@
 //! ever sees the clean second stream, and after the first token nothing would be re-sent.
 //!
 //! ```text
-//! cargo run --example streaming
+//! cargo run --example streaming --features mock
 //! ```
 
 use std::time::{Duration, Instant};

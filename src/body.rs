@@ -811,7 +811,7 @@ mod tests {
                     seed ^= seed << 13;
                     seed ^= seed >> 7;
                     seed ^= seed << 17;
-                    if seed % 4 == 0 {
+                    if seed.is_multiple_of(4) {
                         edges[(seed >> 8) as usize % edges.len()]
                     } else {
                         b'a' + (seed >> 8) as u8 % 26

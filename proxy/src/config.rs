@@ -32,8 +32,10 @@ pub struct Config {
     /// How long a shutdown waits for in-flight requests and streams before it cuts them.
     /// Defaults to 30 s.
     pub drain_timeout_secs: u64,
-    /// How many (upstream, credential) stacks, each with its own budget, gate and pacing, are
-    /// kept; the least recently used is dropped beyond it. Defaults to 1,024.
+    /// How many tenants (upstream, credential), each with its own budget, gate and pacing,
+    /// each upstream's fleet keeps apart; beyond it, a new tenant takes the place of one with
+    /// no request in flight (with every one in flight, it shares the upstream's own state).
+    /// Defaults to 1,024.
     pub max_tenants: usize,
     /// `text` or `json` log lines on standard error. Defaults to `text`.
     pub log_format: LogFormat,
@@ -318,13 +320,11 @@ impl Upstream {
         self.budget.then(BudgetConfig::default)
     }
 
-    /// The fleet of one tenant's stack: the library's defaults (budget, gate, dormant
-    /// pacing), less what is turned off. One state per stack: the proxy keeps a stack per
-    /// tenant already.
+    /// The fleet of the upstream's stack: the library's defaults (budget, gate, dormant
+    /// pacing, a state per scope), less what is turned off. The stack names each tenant's
+    /// scope.
     pub fn fleet(&self) -> FleetBuilder {
-        let mut fleet = Fleet::builder()
-            .budget(self.budget_config())
-            .per_scope(false);
+        let mut fleet = Fleet::builder().budget(self.budget_config());
         if !self.gate {
             fleet = fleet.cooldown_gate(None);
         }

@@ -88,7 +88,7 @@ pub fn script() -> Script {
             "overloaded_model" if model(req).as_deref() == Some("claude-primary") => {
                 overloaded(openai)
             }
-            "demo" if global.fetch_add(1, Ordering::Relaxed) % 3 == 0 => overloaded(openai),
+            "demo" if global.fetch_add(1, Ordering::Relaxed).is_multiple_of(3) => overloaded(openai),
             _ => success(req, openai),
         })
     })

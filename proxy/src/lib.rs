@@ -13,8 +13,9 @@
 //!
 //! The modules, in the order a request meets them: [`server`] (listener, ops endpoints,
 //! token check, caps, headers), [`routes`] (path → upstream), [`forward`] (which headers
-//! cross), [`stack`] (the retry stack per upstream and credential), [`body`] (the response
-//! copy, and the protocol's error when a stream fails after its commit point), [`envelope`]
+//! cross), [`stack`] (the retry stack per upstream, its fleet scoped per credential),
+//! [`body`] (the response copy, and the protocol's error when a stream fails after its commit
+//! point), [`envelope`]
 //! (the proxy's own errors in each API's format), [`metrics`]; [`config`] reads the TOML file
 //! and the environment; [`demo`] puts the proxy in front of the crate's mock.
 

@@ -1,7 +1,7 @@
 //! Prometheus metrics, one registry per proxy (so several proxies in one process, as in the
 //! tests, never share counters), rendered at `/metrics`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -10,6 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use tower_llm_retry::fleet::Fleet;
 use tower_llm_retry::retry::{GiveUpReason, RetryEvent, RetryObserver};
 use tower_llm_retry::RetryTrail;
 
@@ -64,6 +65,8 @@ pub struct Metrics {
     upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
     overhead: Histogram,
     in_flight: Gauge,
+    /// The upstreams' fleets, whose own counters some metrics read when rendered.
+    fleets: Mutex<Vec<(Up, Fleet)>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -96,6 +99,7 @@ impl Metrics {
             upstream_latency: Family::new_with_constructor(latency),
             overhead: latency(),
             in_flight: Gauge::default(),
+            fleets: Mutex::new(Vec::new()),
         };
         let r = &mut m.registry;
         r.register(
@@ -121,7 +125,7 @@ impl Metrics {
         );
         r.register(
             "gate_closures",
-            "Attempts answered 429/529 with Retry-After while the cooldown gate is on",
+            "Times an upstream's cooldown gate closed, or its closing was extended, over its tenants (the fleet's own count)",
             m.gate_closures.clone(),
         );
         r.register(
@@ -158,8 +162,33 @@ impl Metrics {
         m
     }
 
+    /// Reads `fleet`'s own counters for `upstream` when rendering.
+    pub(crate) fn watch_fleet(&self, upstream: &str, fleet: Fleet) {
+        let up = Up {
+            upstream: upstream.into(),
+        };
+        self.fleets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((up, fleet));
+    }
+
     /// The text exposition format.
     pub fn render(&self) -> String {
+        {
+            // Under the lock, so that two renders do not both add what the fleet counted.
+            let fleets = self.fleets.lock().unwrap_or_else(PoisonError::into_inner);
+            for (up, fleet) in fleets.iter() {
+                // A fleet's sums only grow (a scope dropped to make room keeps its counts).
+                if let Some(closings) = fleet.gate_closings() {
+                    let counter = self.gate_closures.get_or_create(up);
+                    let seen = counter.get();
+                    if closings > seen {
+                        counter.inc_by(closings - seen);
+                    }
+                }
+            }
+        }
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
@@ -174,7 +203,7 @@ impl Metrics {
             .inc();
     }
 
-    pub(crate) fn attempt(&self, upstream: &str, latency: Duration, closes_gate: bool) {
+    pub(crate) fn attempt(&self, upstream: &str, latency: Duration) {
         let up = Up {
             upstream: upstream.into(),
         };
@@ -182,9 +211,6 @@ impl Metrics {
         self.upstream_latency
             .get_or_create(&up)
             .observe(latency.as_secs_f64());
-        if closes_gate {
-            self.gate_closures.get_or_create(&up).inc();
-        }
     }
 
     pub(crate) fn fallback(&self, upstream: &str) {

@@ -97,6 +97,7 @@ impl Proxy {
                 metrics.clone(),
                 config.max_body_bytes,
                 redis.clone(),
+                config.max_tenants,
             )?);
         }
         let client_token = config
@@ -106,7 +107,13 @@ impl Proxy {
         Ok(Proxy {
             state: Arc::new(State {
                 routes: Routes::new(&config.upstream),
-                tenants: Tenants::new(config.max_tenants),
+                // The fleets' bound, over every upstream: no tenant a fleet keeps loses its
+                // client budget.
+                tenants: Tenants::new(
+                    config
+                        .max_tenants
+                        .saturating_mul(config.upstream.len().max(1)),
+                ),
                 limit: Arc::new(Semaphore::new(config.max_concurrent_requests)),
                 factories,
                 metrics,
@@ -123,9 +130,13 @@ impl Proxy {
         &self.state.metrics
     }
 
-    /// How many (upstream, credential) stacks exist.
+    /// How many tenants (upstream, credential) the upstreams' fleets keep apart.
     pub fn tenant_count(&self) -> usize {
-        self.state.tenants.len()
+        self.state
+            .factories
+            .iter()
+            .map(|f| f.fleet().scopes().len())
+            .sum()
     }
 
     /// Handles one request.
@@ -357,9 +368,8 @@ impl State {
             Err(msg) => return self.reject(kind, Reject::BadHeader, &msg),
         };
 
-        // What the tenant's fleet is named by in Redis (hashed there): only read when the
-        // fleets are shared, and only for a tenant's first request.
-        let mut credential = Vec::new();
+        // Which tenant's client budget an SDK's retry is charged to. (The fleet names the
+        // tenant's scope itself, from the request the stack sends.)
         let tenant = if factory.holds_keys() {
             if !self.token_ok(req.headers()) {
                 return self.reject(
@@ -373,17 +383,7 @@ impl State {
         } else {
             let h = req.headers();
             let get = |n: &str| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
-            let (key, auth) = (get("x-api-key"), get("authorization"));
-            // Azure OpenAI's header; appended only when sent, so the other tenants' names
-            // (and their fleets' Redis keys) are as they were.
-            let azure = get("api-key");
-            if factory.shares_fleets() {
-                credential = [key, b"\n", auth].concat();
-                if !azure.is_empty() {
-                    credential.extend_from_slice(b"\napi-key: ");
-                    credential.extend_from_slice(azure);
-                }
-            }
+            let (key, auth, azure) = (get("x-api-key"), get("authorization"), get("api-key"));
             if azure.is_empty() {
                 TenantId::of(&self.salt, &[key, auth])
             } else {
@@ -461,24 +461,11 @@ impl State {
                 .insert(up.apply_timeouts(p.policy()));
         }
 
-        let tenant = match self
-            .tenants
-            .get(route.upstream, tenant, &credential, factory)
-        {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::error!(error = %e, upstream = %up.name, "cannot build the stack");
-                return self.reject(
-                    kind,
-                    Reject::Upstream,
-                    "the proxy cannot reach this upstream",
-                );
-            }
-        };
         // An SDK's retry of the proxy is a retry: it draws on the tenant's client budget,
         // which the other requests pay into, instead of starting a loop of its own.
-        if let Some(budget) = &tenant.client_budget {
+        if let Some(config) = up.budget_config() {
             use tower::retry::budget::Budget;
+            let budget = self.tenants.client_budget(route.upstream, tenant, config);
             if mode == Mode::ClientRetry {
                 if !budget.withdraw() {
                     self.metrics.client_retry_refused(&up.name);
@@ -496,7 +483,7 @@ impl State {
                 budget.deposit();
             }
         }
-        let stack = tenant.stack;
+        let stack = factory.stack();
         let path = route
             .path_and_query
             .split('?')

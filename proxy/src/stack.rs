@@ -1,9 +1,10 @@
-//! The retry stack of one upstream, built per (upstream, credential): `RetryLayer` →
-//! `ModelFallbackLayer` → `ContextOverflowLayer` → `AuthLayer` (when the proxy holds the keys)
-//! → a hyper-util client over rustls with HTTP/2. Each stack has its own `RetryLayer`, so its
-//! own budget, cooldown gate and pacing: one tenant's `429` never holds another's requests.
+//! The retry stack of one upstream: `RetryLayer` → `ModelFallbackLayer` →
+//! `ContextOverflowLayer` → `AuthLayer` (when the proxy holds the keys) → a hyper-util client
+//! over rustls with HTTP/2. Its fleet keeps a budget, cooldown gate and pacing per tenant (the
+//! upstream and the credential the requests go out with), in the library's bounded scope map:
+//! one tenant's `429` never holds another's requests.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -21,10 +22,10 @@ use rustls::RootCertStore;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
-use tower::util::BoxCloneService;
+use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, CredentialHeader};
-use tower_llm_retry::fleet::RedisFleet;
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, RedisFleet, ScopeKey};
 use tower_llm_retry::{
     AuthLayer, BoxError, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer,
 };
@@ -36,9 +37,9 @@ use crate::metrics::{Metrics, Observer};
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// One upstream's full stack.
-pub type Stack = BoxCloneService<Request<Full<Bytes>>, Response<UpstreamBody>, BoxError>;
+pub type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<UpstreamBody>, BoxError>;
 
-type Inner = BoxCloneService<Request<ReplayBody>, Response<UpstreamBody>, BoxError>;
+type Inner = BoxCloneSyncService<Request<ReplayBody>, Response<UpstreamBody>, BoxError>;
 
 /// The hyper-util client for upstreams.
 pub type HttpClient = Client<HttpsConnector<HttpConnector>, ReplayBody>;
@@ -98,42 +99,41 @@ pub fn client(up: &Upstream) -> Result<HttpClient, ConfigError> {
     Ok(Client::builder(TokioExecutor::new()).build(https))
 }
 
-/// What a stack is built from, shared by every tenant of one upstream.
+/// One upstream's stack, shared by every tenant of the upstream: its fleet keeps their state
+/// apart.
 #[derive(Clone)]
 pub struct StackFactory {
     upstream: Arc<Upstream>,
-    client: HttpClient,
-    keys: Option<Arc<ApiKeyPool>>,
-    /// What names the proxy's own keys in a Redis scope: every replica holding the same
-    /// keys shares one fleet for them (only a hash of it reaches Redis).
-    keys_scope: Vec<u8>,
-    metrics: Arc<Metrics>,
-    body_limit: usize,
-    redis: Option<RedisFleet>,
+    holds_keys: bool,
+    stack: Stack,
+    fleet: Fleet,
 }
 
 impl std::fmt::Debug for StackFactory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StackFactory")
             .field("upstream", &self.upstream.name)
-            .field("holds_keys", &self.keys.is_some())
-            .field("shared_through_redis", &self.redis.is_some())
+            .field("holds_keys", &self.holds_keys)
+            .field("fleet", &self.fleet)
             .finish_non_exhaustive()
     }
 }
 
 impl StackFactory {
-    /// A factory for `upstream`'s stacks; `keys` when the proxy holds them; `redis` when the
-    /// fleets are shared with the other replicas.
+    /// The stack of `upstream`; `keys` when the proxy holds them; `redis` when the fleets
+    /// are shared with the other replicas; at most `max_tenants` tenants kept apart.
     pub fn new(
         upstream: Arc<Upstream>,
         keys: Option<Vec<String>>,
         metrics: Arc<Metrics>,
         body_limit: usize,
         redis: Option<RedisFleet>,
+        max_tenants: usize,
     ) -> Result<Self, ConfigError> {
         let client = client(&upstream)?;
-        let keys_scope = keys.as_ref().map_or_else(Vec::new, |keys| {
+        // What names the proxy's own keys in a Redis scope: every replica holding the same
+        // keys shares one fleet for them (only a hash of it reaches Redis).
+        let keys_scope = keys.as_ref().map(|keys| {
             let mut sorted: Vec<&str> = keys.iter().map(String::as_str).collect();
             sorted.sort_unstable();
             sorted.join("\n").into_bytes()
@@ -154,14 +154,30 @@ impl StackFactory {
                 Some(Arc::new(pool))
             }
         };
-        Ok(StackFactory {
-            upstream,
+        let mut fleet = upstream
+            .fleet()
+            .scope_key(tenant_key(upstream.url.clone(), keys_scope))
+            .max_scopes(max_tenants);
+        if let Some(store) = redis {
+            // Each tenant's scope is named in Redis by the upstream's URL and the credential
+            // the hook writes, as `RedisFleet::scope` would name it.
+            fleet = fleet.redis(store);
+        }
+        let fleet = fleet.build();
+        metrics.watch_fleet(&upstream.name, fleet.clone());
+        let stack = build(
+            &upstream,
             client,
-            keys,
-            keys_scope,
-            metrics,
+            keys.as_ref(),
+            &metrics,
             body_limit,
-            redis,
+            &fleet,
+        )?;
+        Ok(StackFactory {
+            holds_keys: keys.is_some(),
+            upstream,
+            stack,
+            fleet,
         })
     }
 
@@ -170,26 +186,63 @@ impl StackFactory {
         &self.upstream
     }
 
-    /// Whether the fleets are shared with other replicas through Redis.
-    pub fn shares_fleets(&self) -> bool {
-        self.redis.is_some()
-    }
-
     /// Whether the proxy holds this upstream's keys.
     pub fn holds_keys(&self) -> bool {
-        self.keys.is_some()
+        self.holds_keys
     }
 
-    /// A new stack, with its own fleet state: for the requests that go out with `credential`
-    /// (the client's credential headers, or none when the proxy holds the keys). With Redis,
-    /// that state is the one every replica keeps for this upstream and credential.
-    pub fn build(&self, credential: &[u8]) -> Result<Stack, ConfigError> {
-        let up = &self.upstream;
-        let metrics = self.metrics.clone();
-        let name: Arc<str> = Arc::from(up.name.as_str());
-        let gate = up.gate;
-        let client = self.client.clone();
-        let timed = tower::service_fn(move |req: Request<ReplayBody>| {
+    /// The upstream's stack.
+    pub fn stack(&self) -> Stack {
+        self.stack.clone()
+    }
+
+    /// The upstream's fleet: a scope per tenant.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+}
+
+/// What names a request's tenant in the fleet: the upstream's URL and the credential the
+/// request goes out with (the proxy's own keys, when it holds them; the client's
+/// `x-api-key`, `authorization` and, when sent, Azure's `api-key` otherwise). Written as the
+/// Redis scopes of earlier versions were named, so the keys in Redis stay the same.
+fn tenant_key(
+    url: String,
+    keys_scope: Option<Vec<u8>>,
+) -> impl Fn(&http::request::Parts, &mut ScopeKey<'_>) + Send + Sync + 'static {
+    move |parts, key| {
+        key.upstream(&url);
+        if let Some(keys) = &keys_scope {
+            key.credential(keys);
+            return;
+        }
+        let h = &parts.headers;
+        let get = |n: &str| h.get(n).map_or(&b""[..], http::HeaderValue::as_bytes);
+        key.credential(get("x-api-key"))
+            .credential(b"\n")
+            .credential(get("authorization"));
+        // Azure OpenAI's header; written only when sent, so the other tenants' names (and
+        // their Redis keys) are as they were.
+        let azure = get("api-key");
+        if !azure.is_empty() {
+            key.credential(b"\napi-key: ").credential(azure);
+        }
+    }
+}
+
+/// The stack of `up` over `client`, with `fleet`.
+fn build(
+    up: &Upstream,
+    client: HttpClient,
+    keys: Option<&Arc<ApiKeyPool>>,
+    metrics: &Arc<Metrics>,
+    body_limit: usize,
+    fleet: &Fleet,
+) -> Result<Stack, ConfigError> {
+    let name: Arc<str> = Arc::from(up.name.as_str());
+    let timed = {
+        let metrics = metrics.clone();
+        tower::service_fn(move |req: Request<ReplayBody>| {
             // `request` borrows the client only to start: no clone per attempt.
             let start = Instant::now();
             let sent = client.request(req);
@@ -198,72 +251,56 @@ impl StackFactory {
             async move {
                 let res = sent.await;
                 let took = start.elapsed();
-                let closes_gate = gate
-                    && res.as_ref().is_ok_and(|r| {
-                        matches!(r.status().as_u16(), 429 | 529)
-                            && (r.headers().contains_key("retry-after")
-                                || r.headers().contains_key("retry-after-ms"))
-                    });
-                metrics.attempt(&name, took, closes_gate);
+                metrics.attempt(&name, took);
                 let mut res = res.map_err(BoxError::from)?;
                 res.extensions_mut().insert(UpstreamHead(took));
                 Ok::<_, BoxError>(res.map(|b| b.map_err(BoxError::from).boxed_unsync()))
             }
-        });
-        let mut inner: Inner = BoxCloneService::new(timed);
-        if let Some(pool) = &self.keys {
-            inner = boxed(AuthLayer::new(pool.clone()).layer(inner));
-        }
-        if up.overflow_repair {
-            inner = boxed(ContextOverflowLayer::new().layer(inner));
-        }
-        if !up.fallback.is_empty() {
-            let layer = ModelFallbackLayer::new(up.fallback.iter().map(String::as_str))
-                .and_then(|l| l.threshold(up.fallback_threshold))
-                .map_err(|e| {
-                    ConfigError::from_message(format!("[[upstream]] {:?}: fallback: {e}", up.name))
-                })?;
-            inner = boxed(layer.layer(inner));
-        }
-        let mut fleet = up.fleet();
-        if let Some(store) = &self.redis {
-            let credential = if self.keys.is_some() {
-                &self.keys_scope[..]
-            } else {
-                credential
-            };
-            fleet = fleet.redis(store.clone().scope(&up.url, credential));
-        }
-        let fleet = fleet.build();
-        let retry = RetryLayer::new()
-            .policy(up.retry_policy())
-            .body_limit(self.body_limit)
-            .fleet(fleet)
-            .observer(Observer {
-                metrics: self.metrics.clone(),
-                upstream: up.name.clone(),
-            });
-        type Req = Request<Full<Bytes>>;
-        let svc = ServiceExt::<Req>::map_err(retry.layer(inner), BoxError::from);
-        let svc = ServiceExt::<Req>::map_response(
-            svc,
-            |r: Response<tower_llm_retry::RetryBody<UpstreamBody>>| {
-                r.map(|b| b.map_err(BoxError::from).boxed_unsync())
-            },
-        );
-        Ok(BoxCloneService::new(svc))
+        })
+    };
+    let mut inner: Inner = BoxCloneSyncService::new(timed);
+    if let Some(pool) = keys {
+        inner = boxed(AuthLayer::new(pool.clone()).layer(inner));
     }
+    if up.overflow_repair {
+        inner = boxed(ContextOverflowLayer::new().layer(inner));
+    }
+    if !up.fallback.is_empty() {
+        let layer = ModelFallbackLayer::new(up.fallback.iter().map(String::as_str))
+            .and_then(|l| l.threshold(up.fallback_threshold))
+            .map_err(|e| {
+                ConfigError::from_message(format!("[[upstream]] {:?}: fallback: {e}", up.name))
+            })?;
+        inner = boxed(layer.layer(inner));
+    }
+    let retry = RetryLayer::new()
+        .policy(up.retry_policy())
+        .body_limit(body_limit)
+        .fleet(fleet.clone())
+        .observer(Observer {
+            metrics: metrics.clone(),
+            upstream: up.name.clone(),
+        });
+    type Req = Request<Full<Bytes>>;
+    let svc = ServiceExt::<Req>::map_err(retry.layer(inner), BoxError::from);
+    let svc = ServiceExt::<Req>::map_response(
+        svc,
+        |r: Response<tower_llm_retry::RetryBody<UpstreamBody>>| {
+            r.map(|b| b.map_err(BoxError::from).boxed_unsync())
+        },
+    );
+    Ok(BoxCloneSyncService::new(svc))
 }
 
 fn boxed<S, B>(svc: S) -> Inner
 where
-    S: tower::Service<Request<ReplayBody>, Response = Response<B>> + Clone + Send + 'static,
+    S: tower::Service<Request<ReplayBody>, Response = Response<B>> + Clone + Send + Sync + 'static,
     S::Error: Into<BoxError>,
     S::Future: Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    BoxCloneService::new(
+    BoxCloneSyncService::new(
         svc.map_err(Into::into)
             .map_response(|r: Response<B>| r.map(|b| b.map_err(Into::into).boxed_unsync())),
     )
@@ -290,36 +327,20 @@ impl TenantId {
     }
 }
 
-struct Entry {
-    tenant: Tenant,
-    used: u64,
-}
-
-/// One tenant of one upstream: its stack, and the budget its clients' own retries draw on.
-#[derive(Clone)]
-pub struct Tenant {
-    /// The retry stack, with its own budget, gate and pacing.
-    pub stack: Stack,
-    /// What an SDK's retry of the proxy (`x-stainless-retry-count` > 0) is charged to: the
-    /// same parameters as the stack's budget, fed by the requests that are not such retries.
-    /// `None` when the upstream's budget is off.
-    pub client_budget: Option<Arc<TpsBudget>>,
-}
-
-impl std::fmt::Debug for Tenant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tenant").finish_non_exhaustive()
-    }
-}
-
-/// A use counter (for least-recently-used eviction) and the stacks.
-type Map = (u64, HashMap<(usize, TenantId), Entry>);
-
-/// The stacks, one per (upstream, tenant), made when first needed and kept in a bounded map:
-/// beyond `max` the least recently used is dropped (its in-flight requests keep their clone).
+/// The budgets an SDK's retries of the proxy (`x-stainless-retry-count` > 0) are charged
+/// to, one per (upstream, tenant): the same parameters as the stack's budget, fed by the
+/// requests that are not such retries. A thin cache beside the fleet's own scopes, with the
+/// same bound: past it, the oldest budget is dropped (O(1)), and its tenant starts a new one.
 pub struct Tenants {
-    map: Mutex<Map>,
+    map: Mutex<Budgets>,
     max: usize,
+}
+
+#[derive(Default)]
+struct Budgets {
+    by_tenant: HashMap<(usize, TenantId), Arc<TpsBudget>>,
+    /// The keys in the order they were made: the front is dropped first.
+    order: VecDeque<(usize, TenantId)>,
 }
 
 impl std::fmt::Debug for Tenants {
@@ -331,68 +352,39 @@ impl std::fmt::Debug for Tenants {
 }
 
 impl Tenants {
-    /// An empty map holding at most `max` stacks.
+    /// An empty cache holding at most `max` budgets.
     pub fn new(max: usize) -> Self {
         Tenants {
-            map: Mutex::new((0, HashMap::new())),
+            map: Mutex::new(Budgets::default()),
             max: max.max(1),
         }
     }
 
-    /// The stack of (`upstream`, `tenant`), built with `factory` when there is none;
-    /// `credential` is what the tenant's requests go out with (see [`StackFactory::build`]).
-    pub fn get(
+    /// The client budget of (`upstream`, `tenant`), made with `config` when there is none.
+    pub fn client_budget(
         &self,
         upstream: usize,
         tenant: TenantId,
-        credential: &[u8],
-        factory: &StackFactory,
-    ) -> Result<Tenant, ConfigError> {
+        config: BudgetConfig,
+    ) -> Arc<TpsBudget> {
         let mut guard = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let (clock, map) = &mut *guard;
-        *clock += 1;
-        let now = *clock;
-        if let Some(e) = map.get_mut(&(upstream, tenant)) {
-            e.used = now;
-            return Ok(e.tenant.clone());
+        let b = &mut *guard;
+        if let Some(budget) = b.by_tenant.get(&(upstream, tenant)) {
+            return budget.clone();
         }
-        if map.len() >= self.max {
-            if let Some(oldest) = map.iter().min_by_key(|(_, e)| e.used).map(|(k, _)| *k) {
-                map.remove(&oldest);
+        if b.by_tenant.len() >= self.max {
+            if let Some(oldest) = b.order.pop_front() {
+                b.by_tenant.remove(&oldest);
             }
         }
-        let built = Tenant {
-            stack: factory.build(credential)?,
-            client_budget: factory.upstream.budget_config().map(|b| {
-                Arc::new(TpsBudget::new(
-                    b.get_ttl(),
-                    b.get_min_per_sec(),
-                    b.get_retry_ratio(),
-                ))
-            }),
-        };
-        map.insert(
-            (upstream, tenant),
-            Entry {
-                tenant: built.clone(),
-                used: now,
-            },
-        );
-        Ok(built)
-    }
-
-    /// How many stacks are kept.
-    pub fn len(&self) -> usize {
-        self.map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .1
-            .len()
-    }
-
-    /// Whether no stack is kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        let budget = Arc::new(TpsBudget::new(
+            config.get_ttl(),
+            config.get_min_per_sec(),
+            config.get_retry_ratio(),
+        ));
+        b.by_tenant.insert((upstream, tenant), budget.clone());
+        b.order.push_back((upstream, tenant));
+        budget
     }
 }
 

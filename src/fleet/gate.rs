@@ -34,8 +34,10 @@ use crate::random::Random;
 /// move the deadline; against the system clock (or the [`wall_clock`](GateConfig::wall_clock)
 /// set) otherwise.
 ///
-/// Defaults: spread 50 % of the announced wait, at most 30 s; rate-limit headers read; the
-/// system clock for RFC 3339 reset instants when the response has no `Date`.
+/// Defaults (what the fleet uses, [`GateConfig::new`] and [`GateConfig::default`] alike):
+/// closed by a `Retry-After` of 2 s or more; spread 50 % of the announced wait, at most 30 s;
+/// rate-limit headers read; the system clock for RFC 3339 reset instants when the response
+/// has no `Date`.
 #[derive(Clone)]
 pub struct GateConfig {
     spread_fraction: f64,
@@ -46,13 +48,14 @@ pub struct GateConfig {
 }
 
 impl GateConfig {
-    /// The defaults: spread 50 % of the announced wait, at most 30 s, rate-limit headers read.
+    /// The defaults, the fleet's: closed by a `Retry-After` of 2 s or more, spread 50 % of
+    /// the announced wait, at most 30 s, rate-limit headers read.
     pub fn new() -> Self {
         GateConfig {
             spread_fraction: 0.5,
             max_spread: Duration::from_secs(30),
             rate_limit_headers: true,
-            min_close: Duration::ZERO,
+            min_close: DEFAULT_MIN_CLOSE,
             clock: None,
         }
     }
@@ -74,8 +77,8 @@ impl GateConfig {
     /// The shortest `Retry-After` that closes the gate for everyone; a shorter one is left to
     /// the request that received it (and, when on, to the
     /// [pacing](crate::fleet::PacingConfig), which slows the fleet without
-    /// stopping it). Rate-limit headers close the gate whatever their wait. Defaults to zero:
-    /// every `Retry-After` closes it.
+    /// stopping it). Rate-limit headers close the gate whatever their wait. Zero: every
+    /// `Retry-After` closes it. Defaults to 2 s.
     pub fn min_close(mut self, wait: Duration) -> Self {
         self.min_close = wait;
         self
@@ -119,6 +122,10 @@ impl GateConfig {
         crate::time::mul_f64(announced, self.spread_fraction).min(self.max_spread)
     }
 }
+
+/// The shortest `Retry-After` that closes the default gate: a shorter one (a token bucket's
+/// next token) is left to the pacing; a longer one holds every request.
+const DEFAULT_MIN_CLOSE: Duration = Duration::from_secs(2);
 
 impl Default for GateConfig {
     fn default() -> Self {

@@ -74,17 +74,17 @@
 //! | setting | default | change with |
 //! |---|---|---|
 //! | retry budget | on: deposits count for 10 s, 10 retries a second whatever the traffic, plus 20 % of first attempts; in any 10 s, at most `10 × 10 + 0.2 × first attempts` retries ([`BudgetConfig::max_retries`]) | [`FleetBuilder::budget`] with [`BudgetConfig::new(ttl, min_per_sec, ratio)`](BudgetConfig::new), or `None` to turn it off |
-//! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with [`GateConfig::new`] (every `Retry-After` closes it), or `None` to turn it off |
-//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s in the fleet's default gate; zero in [`GateConfig::new`]: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
+//! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with a [`GateConfig`] (`GateConfig::new().min_close(Duration::ZERO)`: every `Retry-After` closes it), or `None` to turn it off |
+//! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s by default; zero: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`] | [`GateConfig::spread`] |
-//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit; a response saying at most a tenth of the stated limit is left wakes it at the limit | [`FleetBuilder::pacing`] with [`PacingConfig::new`] (paces from the first attempt), [`PacingConfig::dormant`], or `None` to turn it off |
+//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit; a response saying at most a tenth of the stated limit is left wakes it at the limit | [`FleetBuilder::pacing`] with a [`PacingConfig`] ([`PacingConfig::dormant`]`(false)` paces from the first attempt), or `None` to turn it off |
 //! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
-//! | pacing: burst | 1 s in the fleet's default (after a quiet spell, up to `rate × 1 s` attempts leave at once); zero in [`PacingConfig::new`] | [`PacingConfig::burst`] |
+//! | pacing: burst | 1 s (after a quiet spell, up to `rate × 1 s` attempts leave at once) | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
 //! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
-//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds; with all in use, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope | [`FleetBuilder::per_scope`] |
+//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds; with all in use, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope; the fleet's read-outs sum or report over its scopes | [`FleetBuilder::per_scope`], [`FleetBuilder::scope_key`] (what names a scope), [`FleetBuilder::max_scopes`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -105,7 +105,7 @@
 //! let fleet = Fleet::builder()
 //!     .budget(Some(BudgetConfig::new(Duration::from_secs(10), 5, 0.1)?))
 //!     .cooldown_gate(Some(GateConfig::new().spread(0.5, Duration::from_secs(10))?))
-//!     .pacing(Some(PacingConfig::new()))
+//!     .pacing(Some(PacingConfig::new().dormant(false)))
 //!     .build();
 //! // Every stack that sends on the key gets a clone of it.
 //! let for_hyper = RetryLayer::new().fleet(fleet.clone());
@@ -188,7 +188,23 @@ let layer = RetryLayer::new().fleet(fleet);
 //! state per scope by default: the upstream (the request URI's authority) and a hash of the
 //! credential header (`authorization`, `x-api-key`, `api-key`, `x-goog-api-key`). A
 //! credential set by an inner [`AuthLayer`](crate::AuthLayer) is not seen: such requests are
-//! scoped by upstream.
+//! scoped by upstream. A [`scope_key`](FleetBuilder::scope_key) hook names scopes otherwise
+//! (a gateway scopes by its own name for the upstream and the tenant's credential, say).
+//!
+//! The fleet's read-outs ([`Fleet::budget_stats`], [`Fleet::gate_closings`],
+//! [`Fleet::gate_closed_until`], [`Fleet::pace`], [`Fleet::pacing_refused`]) sum or report
+//! over its scopes, so a dashboard reads the handle it built; each scope's handle
+//! ([`Fleet::scopes`], [`Fleet::scope_for`]) reads its own:
+//!
+//! ```
+//! use tower_llm_retry::fleet::Fleet;
+//!
+//! let fleet = Fleet::default();
+//! for scope in fleet.scopes() {
+//!     println!("{:?}: {:?}", scope.scope_upstream(), scope.budget_stats());
+//! }
+//! println!("all: {:?}, gate closed until {:?}", fleet.budget_stats(), fleet.gate_closed_until());
+//! ```
 //!
 //! # Differences from `tower::retry` with a budget
 //!
@@ -210,29 +226,34 @@ let layer = RetryLayer::new().fleet(fleet);
 mod budget;
 mod gate;
 mod limit;
+mod pacing;
 #[cfg(feature = "fleet-redis")]
 mod redis;
+mod scope;
+mod store;
+mod ticket;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::StatusCode;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
 pub(crate) use self::gate::{GateWait, PastDeadline};
-pub use self::limit::PacingConfig;
-use self::limit::Turn;
+pub use self::pacing::PacingConfig;
 #[cfg(feature = "fleet-redis")]
 pub use self::redis::{RedisFleet, RedisState};
+pub use self::scope::ScopeKey;
+pub(crate) use self::ticket::Ticket;
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
 use self::limit::Pacer;
+use self::scope::{KeyFn, ScopeName, Scopes, MAX_SCOPES};
+use self::store::{Store, StoreConfig};
+use self::ticket::MAX_PACING_WAIT;
 use crate::random::Random;
 
 /// What a request's retry policy tells the fleet, so that the fleet does not depend on the
@@ -259,9 +280,10 @@ pub(crate) struct Limits<'a> {
 /// ([`Fleet::default`]), shared by the services it makes and by its clones, however they are
 /// re-configured.
 ///
-/// The state can be read while requests run: [`gate_closed_until`](Fleet::gate_closed_until),
+/// The state can be read while requests run, summed or reported over the fleet's scopes:
+/// [`gate_closed_until`](Fleet::gate_closed_until), [`gate_closings`](Fleet::gate_closings),
 /// [`pace`](Fleet::pace), [`pacing_refused`](Fleet::pacing_refused),
-/// [`budget_stats`](Fleet::budget_stats).
+/// [`budget_stats`](Fleet::budget_stats); a scope's handle ([`Fleet::scopes`]) reads its own.
 #[derive(Clone)]
 pub struct Fleet {
     inner: Arc<FleetState>,
@@ -272,81 +294,20 @@ struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
     gate: Option<Arc<Gate>>,
     pacer: Option<Arc<Pacer>>,
-    /// The state across processes, when the fleet has a Redis store.
-    #[cfg(feature = "fleet-redis")]
-    redis: Option<self::redis::Link>,
+    /// Where the state lives: in this process, or shared with others.
+    store: Store,
     /// Per scope: the states of each upstream and credential, made on first use.
     scopes: Option<Scopes>,
     /// The scope this state is of, when it is one.
     scope: Option<ScopeName>,
 }
 
-/// The states of a fleet kept per scope.
-struct Scopes {
-    template: FleetBuilder,
-    hasher: foldhash::fast::RandomState,
-    map: std::sync::RwLock<ScopeMap>,
-}
-
-/// The scopes by the foldhash of their upstream and credential: the key is a hash already (of
-/// a seeded hasher), so the map does not hash it again.
-type ScopeMap = std::collections::HashMap<u64, Fleet, std::hash::BuildHasherDefault<KeyIsHash>>;
-
-/// The hasher of a key that is already a hash: it keeps it.
-#[derive(Default)]
-struct KeyIsHash(u64);
-
-impl std::hash::Hasher for KeyIsHash {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `u64` keys are hashed; anything else is folded in, never dropped.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-/// What names a scope: its upstream, and a hash of the credential (never the credential).
-#[derive(Debug, Clone)]
-struct ScopeName {
-    upstream: String,
-    id: String,
-}
-
 /// A dormant pacing wakes when a response says at most `1 / LOW_REMAINING` of the stated
 /// request limit is left.
 const LOW_REMAINING: u64 = 10;
 
-/// The most scopes a fleet keeps apart; requests of scopes beyond share the fleet's own state.
-const MAX_SCOPES: usize = 4096;
-
-/// The request headers that carry an API credential, in the order they are preferred.
-const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
-
-/// The credential a request carries: the first value of the first of [`CREDENTIAL_HEADERS`]
-/// it has. One pass over the (few) request headers, cheaper than a lookup of each name.
-fn credential(headers: &http::HeaderMap) -> &[u8] {
-    let mut best: Option<(usize, &http::HeaderValue)> = None;
-    for (name, value) in headers {
-        let Some(rank) = CREDENTIAL_HEADERS.iter().position(|h| *h == name.as_str()) else {
-            continue;
-        };
-        if best.is_none_or(|(r, _)| rank < r) {
-            best = Some((rank, value));
-        }
-    }
-    best.map_or(&b""[..], |(_, v)| v.as_bytes())
-}
-
 /// Builds a [`Fleet`]; see [`Fleet::builder`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use]
 pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
@@ -354,8 +315,9 @@ pub struct FleetBuilder {
     pacing: Option<PacingConfig>,
     /// `None`: the default, per scope unless the fleet has a Redis store.
     per_scope: Option<bool>,
-    #[cfg(feature = "fleet-redis")]
-    redis: Option<RedisFleet>,
+    scope_key: Option<KeyFn>,
+    max_scopes: usize,
+    store: StoreConfig,
 }
 
 impl FleetBuilder {
@@ -369,9 +331,9 @@ impl FleetBuilder {
 
     /// The cooldown gate: a `429` / `529` with `Retry-After`, or rate-limit headers saying
     /// nothing is left, hold every attempt until then, and release them spread out. See
-    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to on, as
-    /// `GateConfig::new().min_close(2 s)`: a shorter `Retry-After` (a token bucket's next
-    /// token) is left to the pacing. `None` turns it off.
+    /// [`GateConfig`]. An open gate costs a request one atomic load. Defaults to
+    /// [`GateConfig::new`]: on, for a `Retry-After` of 2 s or more (a shorter one, a token
+    /// bucket's next token, is left to the pacing). `None` turns it off.
     pub fn cooldown_gate(mut self, gate: Option<GateConfig>) -> Self {
         self.gate = gate;
         self
@@ -379,9 +341,9 @@ impl FleetBuilder {
 
     /// Adaptive pacing: attempts leave evenly spaced at a rate that grows with successes and
     /// shrinks on `429` / overload, the rest waiting their turn in arrival order. See
-    /// [`PacingConfig`]. Defaults to `Some(PacingConfig::new().dormant(true))`: no pacing
+    /// [`PacingConfig`]. Defaults to [`PacingConfig::new`]: [dormant](PacingConfig::dormant)
     /// until the server first signals a rate limit, then from the rate measured over the
-    /// last second (see [`PacingConfig::dormant`]); `None` turns it off.
+    /// last second, with a burst of 1 s; `None` turns it off.
     pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
         self.pacing = pacing;
         self
@@ -392,30 +354,33 @@ impl FleetBuilder {
     /// in-process state stays the fallback. Defaults to none: the state is this process's.
     #[cfg(feature = "fleet-redis")]
     pub fn redis(mut self, store: RedisFleet) -> Self {
-        self.redis = Some(store);
+        self.store = StoreConfig::Redis(Box::new(store));
         self
     }
 
     /// Keeps a state of its own (budget, gate, pacing, and, with a Redis store, its Redis
     /// scope) for each scope of the requests: their upstream (the authority of the request's
     /// URI) and credential (the value of `authorization`, `x-api-key`, `api-key` or
-    /// `x-goog-api-key`, hashed, never kept). One fleet may then front several keys and
+    /// `x-goog-api-key`, hashed, never kept), or what a [`scope_key`](Self::scope_key) hook
+    /// names. One fleet may then front several keys and
     /// upstreams without one key's `429` holding the others. A credential set by an inner
     /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
-    /// upstream. The read-outs of the fleet itself are those of requests with no upstream (or
-    /// past the bound with every scope in use), whose state stays in the process; [`Fleet::scopes`] and
-    /// [`Fleet::scope_for`] reach the others. A scope set on the Redis store with
-    /// [`RedisFleet::scope`] applies to every scope.
+    /// upstream. The read-outs of the fleet ([`Fleet::budget_stats`] and the others) sum or
+    /// report over its scopes and its own state (that of requests with no upstream, or past
+    /// the bound with every scope in use, which stays in the process); [`Fleet::scopes`] and
+    /// [`Fleet::scope_for`] reach each scope, whose read-outs are its own. A scope set on the
+    /// Redis store with [`RedisFleet::scope`] applies to every scope.
     ///
     /// On a request's path the scope costs a hash of the authority and the credential
     /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
     /// lookup under a read lock; only the first request of a scope allocates. The map holds
-    /// at most 4,096 scopes. A new scope past the bound takes the place of one that no
-    /// request holds at that moment (what it learnt is forgotten), so credentials that
+    /// at most [`max_scopes`](Self::max_scopes) scopes. A new scope past the bound takes
+    /// the place of the oldest that no request holds at that moment (what it learnt is forgotten,
+    /// what it counted stays in the fleet's sums), so credentials that
     /// rotate do not fill it for good; when all are in use, its requests share the fleet's
     /// own state (one budget, gate and pace for all of them, as with `per_scope(false)`).
     /// A flood of distinct credentials costs a bounded amount of memory (about 4,096 small
-    /// states).
+    /// states by default).
     /// Defaults to true, but for a fleet given a Redis store ([`FleetBuilder::redis`]),
     /// whose store names its scope already (call `per_scope(true)` to key its state by
     /// request as well); false keeps one state for every request.
@@ -424,29 +389,56 @@ impl FleetBuilder {
         self
     }
 
+    /// What names the scope of a request, instead of its upstream and credential headers:
+    /// `key` is called with the request's head and writes an upstream and a credential (or
+    /// whatever tells its tenants apart) into the [`ScopeKey`]; a request for which it
+    /// writes no upstream uses the fleet's own state. It is called on every request, so it
+    /// should be cheap: what it writes is hashed as written, nothing is allocated but on a
+    /// scope's first request (when it is called a second time, to name the scope). With a
+    /// Redis store, the scope's name in Redis is a hash of what it wrote, as with
+    /// [`RedisFleet::scope`]. Only for a fleet kept [per scope](Self::per_scope) (a hook
+    /// turns it on, as if `per_scope(true)`, unless `per_scope(false)` is called after).
+    /// Defaults to none: the request URI's authority and its credential header.
+    pub fn scope_key<F>(mut self, key: F) -> Self
+    where
+        F: Fn(&http::request::Parts, &mut ScopeKey<'_>) + Send + Sync + 'static,
+    {
+        self.scope_key = Some(Arc::new(key));
+        self.per_scope = Some(true);
+        self
+    }
+
+    /// The most scopes the fleet keeps apart (at least 1); past it, a new scope takes the
+    /// place of one no request holds (see [`per_scope`](Self::per_scope)). Defaults to 4,096.
+    pub fn max_scopes(mut self, max: usize) -> Self {
+        self.max_scopes = max.max(1);
+        self
+    }
+
     /// The fleet, its state new. With a Redis store, its background task starts on the
     /// Tokio runtime this is called on, or, without one, on the first request's.
     pub fn build(self) -> Fleet {
-        #[cfg(feature = "fleet-redis")]
-        let per_scope = self.per_scope.unwrap_or(self.redis.is_none());
-        #[cfg(not(feature = "fleet-redis"))]
-        let per_scope = self.per_scope.unwrap_or(true);
-        let scopes = per_scope.then(|| Scopes {
-            template: FleetBuilder {
+        let per_scope = self.per_scope.unwrap_or(self.store.is_local());
+        let scopes = per_scope.then(|| {
+            let template = FleetBuilder {
                 per_scope: Some(false),
+                scope_key: None,
                 ..self.clone()
-            },
-            hasher: foldhash::fast::RandomState::default(),
-            map: std::sync::RwLock::new(ScopeMap::default()),
+            };
+            Scopes::new(template, self.scope_key.clone(), self.max_scopes)
         });
-        #[allow(unused_mut)]
         let mut root = self;
         // The fleet's own state, of the requests that have no scope, stays in the process.
-        #[cfg(feature = "fleet-redis")]
         if scopes.is_some() {
-            root.redis = None;
+            root.store = StoreConfig::Local;
         }
         root.build_state(scopes, None)
+    }
+
+    /// The builder of the scope of `upstream` and `credential`.
+    fn store_for_scope(mut self, upstream: &str, credential: &[u8]) -> Self {
+        self.store = self.store.for_scope(upstream, credential);
+        self
     }
 
     fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {
@@ -455,10 +447,7 @@ impl FleetBuilder {
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
-                #[cfg(feature = "fleet-redis")]
-                redis: self.redis.map(|store| {
-                    self::redis::Link::new(store, gate.clone(), self.budget, pacer.clone())
-                }),
+                store: self.store.build(gate.as_ref(), self.budget, pacer.as_ref()),
                 gate,
                 pacer,
                 scopes,
@@ -472,31 +461,29 @@ impl Default for FleetBuilder {
     fn default() -> Self {
         FleetBuilder {
             budget: Some(BudgetConfig::default()),
-            gate: Some(default_gate()),
-            pacing: Some(default_pacing()),
+            gate: Some(GateConfig::new()),
+            pacing: Some(PacingConfig::new()),
             per_scope: None,
-            #[cfg(feature = "fleet-redis")]
-            redis: None,
+            scope_key: None,
+            max_scopes: MAX_SCOPES,
+            store: StoreConfig::Local,
         }
     }
 }
 
-/// The fleet's default gate: a `Retry-After` under 2 s (a token bucket's next token) is left
-/// to the pacing; a longer one holds every request.
-fn default_gate() -> GateConfig {
-    GateConfig::new().min_close(DEFAULT_MIN_CLOSE)
+impl std::fmt::Debug for FleetBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetBuilder")
+            .field("budget", &self.budget)
+            .field("gate", &self.gate)
+            .field("pacing", &self.pacing)
+            .field("per_scope", &self.per_scope)
+            .field("scope_key", &self.scope_key.is_some())
+            .field("max_scopes", &self.max_scopes)
+            .field("store", &self.store)
+            .finish()
+    }
 }
-
-/// The fleet's default pacing: dormant until the server signals a limit, with a burst of 1 s.
-fn default_pacing() -> PacingConfig {
-    PacingConfig::new()
-        .dormant(true)
-        .burst(Duration::from_secs(1))
-        .expect("a burst within bounds")
-}
-
-/// The shortest `Retry-After` that closes the fleet's default gate.
-const DEFAULT_MIN_CLOSE: Duration = Duration::from_secs(2);
 
 impl Default for Fleet {
     /// The defaults of [`Fleet::builder`]: what a layer given no fleet builds.
@@ -537,8 +524,28 @@ impl Fleet {
         self.inner.budget.as_ref().map(|(c, _)| *c)
     }
 
-    /// What the budget has counted, when it is on.
+    /// What the budget has counted, when it is on: over every scope of a fleet kept per
+    /// scope (those dropped to make room included) and its own state. A scope's handle
+    /// ([`Fleet::scopes`], [`Fleet::scope_for`]) reads its own.
     pub fn budget_stats(&self) -> Option<BudgetStats> {
+        let mut sum = self.own_budget_stats()?;
+        if let Some(scopes) = &self.inner.scopes {
+            let add = |sum: &mut BudgetStats, b: BudgetStats| {
+                sum.first_attempts += b.first_attempts;
+                sum.retries += b.retries;
+                sum.refused += b.refused;
+            };
+            add(&mut sum, scopes.retired_budget());
+            scopes.for_each(|f| {
+                if let Some(b) = f.own_budget_stats() {
+                    add(&mut sum, b);
+                }
+            });
+        }
+        Some(sum)
+    }
+
+    fn own_budget_stats(&self) -> Option<BudgetStats> {
         self.inner.budget.as_ref().map(|(_, b)| b.stats())
     }
 
@@ -548,14 +555,30 @@ impl Fleet {
     }
 
     /// When the cooldown gate reopens, while it is closed; `None` when it is open (or off).
-    /// Waiters leave from then on, spread out.
+    /// Waiters leave from then on, spread out. Of a fleet kept per scope: the latest instant
+    /// any of its gates reopens (a scope's handle reads its own).
     pub fn gate_closed_until(&self) -> Option<Instant> {
+        let mut latest = self.closed_until();
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(|f| latest = latest.max(f.closed_until()));
+        }
+        latest
+    }
+
+    /// This state's gate: closed until when.
+    pub(crate) fn closed_until(&self) -> Option<Instant> {
         self.inner.gate.as_ref()?.closed_until()
     }
 
-    /// How many times the gate was closed, or its closing extended, when it is on.
+    /// How many times the gate was closed, or its closing extended, when it is on: over every
+    /// scope of a fleet kept per scope (a scope's handle reads its own).
     pub fn gate_closings(&self) -> Option<u64> {
-        self.inner.gate.as_ref().map(|g| g.closings())
+        let mut sum = self.gate()?.closings();
+        if let Some(scopes) = &self.inner.scopes {
+            sum += scopes.retired_closings();
+            scopes.for_each(|f| sum += f.gate().map_or(0, |g| g.closings()));
+        }
+        Some(sum)
     }
 
     /// The pacing's settings, when it is on.
@@ -565,109 +588,36 @@ impl Fleet {
 
     /// The current pacing rate, in requests per second, when pacing is on and awake (not
     /// [dormant](PacingConfig::dormant)): the fleet's, across processes, while a Redis store
-    /// is in touch.
+    /// is in touch. Of a fleet kept per scope: the sum of the rates of the scopes whose
+    /// pacing is awake, `None` when none is (a scope's handle reads its own).
     pub fn pace(&self) -> Option<f64> {
-        let pacer = self.inner.pacer.as_ref()?;
-        if !pacer.is_awake() {
-            return None;
+        let mut sum = self.pacing_rate();
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(|f| {
+                if let Some(rate) = f.pacing_rate() {
+                    sum = Some(sum.unwrap_or(0.0) + rate);
+                }
+            });
         }
-        #[cfg(feature = "fleet-redis")]
-        if let Some(rate) = self.inner.redis.as_ref().and_then(|l| l.pace()) {
-            return Some(rate);
-        }
-        Some(pacer.rate())
+        sum
     }
 
     /// How many attempts gave up because their pacing turn would come later than they may
-    /// wait, when pacing is on.
+    /// wait, when pacing is on: over every scope of a fleet kept per scope (a scope's handle
+    /// reads its own).
     pub fn pacing_refused(&self) -> Option<u64> {
-        self.inner.pacer.as_ref().map(|p| p.refused())
-    }
-
-    /// The handle on the state that a request like `req` uses: its scope's, when the fleet
-    /// keeps one per scope ([`FleetBuilder::per_scope`]), made now if it was not yet; the
-    /// fleet itself otherwise.
-    pub fn scope_for<B>(&self, req: &http::Request<B>) -> Fleet {
-        self.for_request(req.uri(), req.headers())
-            .unwrap_or_else(|| self.clone())
-    }
-
-    /// The scopes made so far, when the fleet keeps one per scope.
-    pub fn scopes(&self) -> Vec<Fleet> {
-        match &self.inner.scopes {
-            Some(s) => s.read().values().cloned().collect(),
-            None => Vec::new(),
+        let mut sum = self.pacer()?.refused();
+        if let Some(scopes) = &self.inner.scopes {
+            sum += scopes.retired_pacing_refused();
+            scopes.for_each(|f| sum += f.pacer().map_or(0, |p| p.refused()));
         }
-    }
-
-    /// The upstream of the scope this handle is of, when it is one.
-    pub fn scope_upstream(&self) -> Option<&str> {
-        self.inner.scope.as_ref().map(|s| s.upstream.as_str())
-    }
-
-    /// The id of the scope this handle is of, when it is one: a hash of its upstream and
-    /// credential (the name of its state in Redis, with a store).
-    pub fn scope_id(&self) -> Option<&str> {
-        self.inner.scope.as_ref().map(|s| s.id.as_str())
-    }
-
-    /// The state of a request to `uri` with `headers`: its scope's when the fleet keeps one
-    /// per scope, `None` when the fleet's own.
-    pub(crate) fn for_request(&self, uri: &http::Uri, headers: &http::HeaderMap) -> Option<Fleet> {
-        let scopes = self.inner.scopes.as_ref()?;
-        // Without any `user:password@`: the upstream is shown in read-outs and logs, and names
-        // the scope in Redis, so the key leaves it out too.
-        let authority = uri.authority()?.as_str();
-        let upstream = authority
-            .rsplit_once('@')
-            .map_or(authority, |(_, host)| host);
-        let credential = credential(headers);
-        let key = {
-            use std::hash::BuildHasher;
-            scopes.hasher.hash_one((upstream, credential))
-        };
-        if let Some(f) = scopes.read().get(&key) {
-            return Some(f.clone());
-        }
-        let mut map = scopes.write();
-        if let Some(f) = map.get(&key) {
-            return Some(f.clone());
-        }
-        if map.len() >= MAX_SCOPES {
-            // Full: a scope no request holds makes room (its state is what a new scope would
-            // start from anyway, less what it learnt), so rotating credentials (hourly bearer
-            // tokens) do not fill the map for good. With every scope in use, the request
-            // shares the fleet's own state.
-            let idle = map
-                .iter()
-                .find(|(_, f)| Arc::strong_count(&f.inner) == 1)
-                .map(|(k, _)| *k)?;
-            map.remove(&idle);
-        }
-        let id = scope_id(upstream, credential);
-        #[allow(unused_mut)]
-        let mut template = scopes.template.clone();
-        #[cfg(feature = "fleet-redis")]
-        {
-            template.redis = template
-                .redis
-                .map(|r| r.default_scope(upstream, credential));
-        }
-        let fleet = template.build_state(
-            None,
-            Some(ScopeName {
-                upstream: upstream.to_owned(),
-                id,
-            }),
-        );
-        map.insert(key, fleet.clone());
-        Some(fleet)
+        Some(sum)
     }
 
     /// The state of the link to Redis, when the fleet has a Redis store.
     #[cfg(feature = "fleet-redis")]
     pub fn redis_state(&self) -> Option<RedisState> {
-        self.inner.redis.as_ref().map(|l| l.state())
+        self.inner.store.redis_state()
     }
 
     fn gate(&self) -> Option<&Gate> {
@@ -692,21 +642,15 @@ impl Fleet {
         // A ceiling set to "forever" must not overflow the instant.
         let ceiling = now + limits.retry_after_max.min(MAX_PACING_WAIT);
         let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
-        // Across processes, a turn of the fleet's schedule; the local line otherwise.
-        #[cfg(feature = "fleet-redis")]
+        // A turn of the schedule the store shares; the local line otherwise.
         let remote = self
             .inner
-            .redis
-            .as_ref()
-            .and_then(|l| l.reserve(give_up_at.saturating_duration_since(now)));
-        #[cfg(feature = "fleet-redis")]
+            .store
+            .reserve(give_up_at.saturating_duration_since(now));
         let n = remote.is_none().then(|| pacer.ticket());
-        #[cfg(not(feature = "fleet-redis"))]
-        let n = Some(pacer.ticket());
         Some(Ticket {
             fleet: self.clone(),
             n,
-            #[cfg(feature = "fleet-redis")]
             remote,
             done: false,
             joined: false,
@@ -717,16 +661,19 @@ impl Fleet {
         })
     }
 
-    /// The current pacing rate, for the retry loop's trace events.
+    /// This state's pacing rate, when awake: the fleet's across processes while the store
+    /// knows it. For the retry loop's trace events.
     pub(crate) fn pacing_rate(&self) -> Option<f64> {
-        self.pace()
+        let pacer = self.pacer()?;
+        if !pacer.is_awake() {
+            return None;
+        }
+        self.inner.store.pace().or_else(|| Some(pacer.rate()))
     }
 
     /// An attempt that had a pacing turn succeeded.
     pub(crate) fn paced_success(&self) {
-        #[cfg(feature = "fleet-redis")]
-        if let Some(link) = self.inner.redis.as_ref().filter(|l| l.paces()) {
-            link.paced_success();
+        if self.inner.store.paced_success() {
             return;
         }
         if let Some(p) = self.pacer() {
@@ -736,11 +683,7 @@ impl Fleet {
 
     /// An attempt sent in `epoch` was refused for load.
     pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
-        #[cfg(feature = "fleet-redis")]
-        if epoch & self::redis::REMOTE_EPOCH != 0 {
-            if let Some(link) = &self.inner.redis {
-                link.paced_refusal(epoch & !self::redis::REMOTE_EPOCH);
-            }
+        if self.inner.store.paced_refusal(epoch) {
             return;
         }
         if let Some(p) = self.pacer() {
@@ -753,40 +696,22 @@ impl Fleet {
         if let Some((_, budget)) = &self.inner.budget {
             budget.deposit();
         }
-        #[cfg(feature = "fleet-redis")]
-        if let Some(link) = &self.inner.redis {
-            if self.inner.budget.is_some() {
-                link.deposit();
-            } else {
-                // No budget to count for: the link still starts on the first request's
-                // runtime (a fleet built outside one has no task yet to learn the others'
-                // closings).
-                link.ensure_started();
-            }
-        }
+        self.inner.store.deposit(self.inner.budget.is_some());
     }
 
     /// A retry is planned: may it be made?
     pub(crate) fn withdraw(&self) -> bool {
-        let Some((_, budget)) = &self.inner.budget else {
-            return true;
-        };
-        #[cfg(feature = "fleet-redis")]
-        if let Some(link) = &self.inner.redis {
-            return link.withdraw(budget);
+        match &self.inner.budget {
+            Some((_, budget)) => self.inner.store.withdraw(budget),
+            None => true,
         }
-        budget.withdraw()
     }
 
     /// Closes the gate for `wait` from now, and tells the other processes.
     fn close_gate(&self, gate: &Gate, wait: Duration) {
-        let until = gate.close(Instant::now(), wait);
-        #[cfg(feature = "fleet-redis")]
-        if let (Some(until), Some(link)) = (until, &self.inner.redis) {
-            link.closed(until, wait);
+        if let Some(until) = gate.close(Instant::now(), wait) {
+            self.inner.store.closed(until, wait);
         }
-        #[cfg(not(feature = "fleet-redis"))]
-        let _ = until;
     }
 
     /// Tells the fleet what a response said. The gate: a `429` / `529` with `Retry-After`, or
@@ -834,10 +759,10 @@ impl Fleet {
                 {
                     pacer.wake_on_limit();
                 }
-                #[cfg(feature = "fleet-redis")]
-                if let (Some(link), Some(cap)) = (&self.inner.redis, pacer.config().cap_for(limit))
-                {
-                    link.stated_limit(cap);
+                if self.inner.store.is_shared() {
+                    if let Some(cap) = pacer.config().cap_for(limit) {
+                        self.inner.store.stated_limit(cap);
+                    }
                 }
             }
         }
@@ -887,14 +812,13 @@ impl std::fmt::Debug for Fleet {
         let mut d = f.debug_struct("Fleet");
         d.field("budget", &s.budget.as_ref().map(|(c, b)| (c, b.stats())))
             .field("gate", &s.gate)
-            .field("pacer", &s.pacer);
-        #[cfg(feature = "fleet-redis")]
-        d.field("redis", &s.redis);
+            .field("pacer", &s.pacer)
+            .field("store", &s.store);
         if let Some(scope) = &s.scope {
             d.field("scope", scope);
         }
         if let Some(scopes) = &s.scopes {
-            d.field("scopes", &scopes.read().len());
+            d.field("scopes", &scopes.len());
         }
         d.finish()
     }
@@ -909,345 +833,4 @@ fn retry_after_is_a_date(h: &http::HeaderMap) -> bool {
     h.get(http::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| httpdate::parse_http_date(v.trim()).is_ok())
-}
-
-impl Scopes {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, ScopeMap> {
-        self.map
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, ScopeMap> {
-        self.map
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// The hex hash naming a scope: the credential never leaves the process.
-fn scope_id(upstream: &str, credential: &[u8]) -> String {
-    #[cfg(feature = "fleet-redis")]
-    {
-        self::redis::scope_hash(upstream, credential)
-    }
-    #[cfg(not(feature = "fleet-redis"))]
-    {
-        // Within one process: a keyed hash, not kept anywhere else.
-        use std::hash::BuildHasher;
-        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
-            std::sync::OnceLock::new();
-        let h = KEY
-            .get_or_init(Default::default)
-            .hash_one((upstream, credential));
-        format!("{h:016x}")
-    }
-}
-
-/// The longest an attempt waits in the pacing line, whatever its policy's ceiling.
-const MAX_PACING_WAIT: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// A place in the pacing line.
-pub(crate) struct Ticket {
-    fleet: Fleet,
-    /// Its place in the local line, once it joined it.
-    n: Option<u64>,
-    /// Its turn of the fleet's schedule across processes, while it waits for it.
-    #[cfg(feature = "fleet-redis")]
-    remote: Option<self::redis::RemoteTurn>,
-    /// Served, or given up: out of the line.
-    done: bool,
-    /// Polled once: the expected wait is judged as it joins.
-    joined: bool,
-    since: Instant,
-    /// The latest instant its turn may come.
-    give_up_at: Instant,
-    /// That instant is the request's deadline.
-    by_deadline: bool,
-    // The instant to look again (its turn, a check on the head, its bound); allocated only
-    // when it has to wait.
-    sleep: Option<Pin<Box<Sleep>>>,
-}
-
-impl Ticket {
-    /// Ready with the pacing epoch once the turn has come (the ticket is then used up), or
-    /// with the refusal once it is known that the turn would come after the ticket's bound:
-    /// on joining, when the wait expected at the rate of the moment is longer; at the head,
-    /// when its instant is later; behind others, when the bound comes. The ticket has then
-    /// left the line.
-    pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
-        #[cfg(feature = "fleet-redis")]
-        if let Some(remote) = &mut self.remote {
-            let outcome = std::task::ready!(remote.poll(cx));
-            self.remote = None;
-            match outcome {
-                self::redis::RemoteOutcome::Go(epoch) => {
-                    self.done = true;
-                    return Poll::Ready(Ok(epoch | self::redis::REMOTE_EPOCH));
-                }
-                self::redis::RemoteOutcome::TooFar(wait) => {
-                    let left = self.give_up_at.saturating_duration_since(Instant::now());
-                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
-                }
-                // Redis did not answer in time: the local line, at once.
-                self::redis::RemoteOutcome::Failed => {}
-            }
-        }
-        let pacer = self.fleet.pacer().expect("tickets come from a pacer");
-        let n = *self.n.get_or_insert_with(|| pacer.ticket());
-        loop {
-            let joining = !std::mem::replace(&mut self.joined, true);
-            let turn = pacer.poll_turn(n, cx.waker());
-            let now = Instant::now();
-            let left = self.give_up_at.saturating_duration_since(now);
-            let wake_at = match turn {
-                Turn::Go(epoch) => {
-                    self.done = true;
-                    self.sleep = None;
-                    return Poll::Ready(Ok(epoch));
-                }
-                Turn::Wait(at) if at > self.give_up_at => {
-                    let wait = at.saturating_duration_since(now);
-                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
-                }
-                Turn::Wait(at) => at,
-                Turn::Queued { wait, .. } if joining && wait > left => {
-                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
-                }
-                Turn::Queued { .. } if left.is_zero() => {
-                    return Poll::Ready(Err(self.refuse(None, left)));
-                }
-                Turn::Queued { check, .. } => {
-                    check.map_or(self.give_up_at, |c| c.min(self.give_up_at))
-                }
-            };
-            let sleep = match &mut self.sleep {
-                Some(sleep) => {
-                    if sleep.deadline() != wake_at {
-                        sleep.as_mut().reset(wake_at);
-                    }
-                    sleep
-                }
-                None => self
-                    .sleep
-                    .insert(Box::pin(tokio::time::sleep_until(wake_at))),
-            };
-            std::task::ready!(sleep.as_mut().poll(cx));
-        }
-    }
-
-    /// Leaves the line, counted as given up.
-    fn refuse(&mut self, expected: Option<Duration>, left: Duration) -> PacingRefused {
-        self.done = true;
-        self.sleep = None;
-        let pacer = self.fleet.pacer().expect("tickets come from a pacer");
-        let refused_total = match self.n {
-            Some(n) => pacer.refuse(n),
-            None => pacer.count_refused(),
-        };
-        let refused = PacingRefused {
-            expected,
-            left,
-            bound: self.give_up_at.saturating_duration_since(self.since),
-            by_deadline: self.by_deadline,
-        };
-        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-        tracing::warn!(
-            expected_ms = expected.map(ms),
-            bound_ms = ms(refused.bound),
-            rate = pacer.rate(),
-            refused_total,
-            "giving up on LLM request: its pacing turn is further off than it may wait"
-        );
-        refused
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if let (false, Some(n), Some(p)) = (self.done, self.n, self.fleet.pacer()) {
-            p.abandon(n);
-        }
-    }
-}
-
-impl std::fmt::Debug for Ticket {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ticket")
-            .field("n", &self.n)
-            .field("give_up_at", &self.give_up_at)
-            .finish()
-    }
-}
-
-/// Why an attempt left the pacing line: its turn would come later than it may wait. The
-/// source of an [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong) error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PacingRefused {
-    /// How far off its turn was, when that was known (not when its bound ran out in line).
-    expected: Option<Duration>,
-    /// What was left of its bound.
-    left: Duration,
-    /// How long it could wait in all, from joining.
-    bound: Duration,
-    /// The bound was the request's deadline (not its policy's ceiling).
-    by_deadline: bool,
-}
-
-impl PacingRefused {
-    /// Whether the bound that ran out was the request's deadline.
-    pub(crate) fn by_deadline(&self) -> bool {
-        self.by_deadline
-    }
-}
-
-impl std::fmt::Display for PacingRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.expected {
-            Some(turn) => write!(
-                f,
-                "pacing turn {turn:?} away, with {:?} left of the {:?} the request may wait",
-                self.left, self.bound
-            ),
-            None => write!(
-                f,
-                "no pacing turn within the {:?} the request may wait",
-                self.bound
-            ),
-        }
-    }
-}
-
-impl std::error::Error for PacingRefused {}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::task::Waker;
-
-    /// The scope's credential: `authorization` first, then the API-key headers in order,
-    /// the first value of each, whatever order the request has them in.
-    #[test]
-    fn credential_prefers_in_order() {
-        let mut h = http::HeaderMap::new();
-        assert_eq!(credential(&h), b"");
-        h.insert("content-type", "application/json".parse().unwrap());
-        h.insert("x-goog-api-key", "g".parse().unwrap());
-        assert_eq!(credential(&h), b"g");
-        h.insert("api-key", "azure".parse().unwrap());
-        assert_eq!(credential(&h), b"azure");
-        h.append("x-api-key", "first".parse().unwrap());
-        h.append("x-api-key", "second".parse().unwrap());
-        assert_eq!(credential(&h), b"first");
-        h.insert("authorization", "Bearer t".parse().unwrap());
-        assert_eq!(credential(&h), b"Bearer t");
-        // The rank decides, not the order in the map.
-        let mut h = http::HeaderMap::new();
-        h.insert("authorization", "Bearer first".parse().unwrap());
-        h.insert("x-api-key", "k".parse().unwrap());
-        h.insert("x-goog-api-key", "g".parse().unwrap());
-        assert_eq!(credential(&h), b"Bearer first");
-        h.remove("authorization");
-        assert_eq!(credential(&h), b"k");
-    }
-
-    /// A scope is the upstream without its userinfo plus the credential: the same key through
-    /// `user:password@` shares one scope, named without it; another key gets its own.
-    #[test]
-    fn scopes_leave_userinfo_out() {
-        let fleet = Fleet::builder().build();
-        let req = |uri: &str, key: &str| {
-            http::Request::get(uri)
-                .header("x-api-key", key)
-                .body(())
-                .unwrap()
-        };
-        let plain = fleet.scope_for(&req("https://api.example.com/v1/messages", "k1"));
-        let alice = fleet.scope_for(&req("https://alice:pw@api.example.com/v1/messages", "k1"));
-        let bob = fleet.scope_for(&req("https://bob:pw@api.example.com/v1/messages", "k1"));
-        let other = fleet.scope_for(&req("https://alice:pw@api.example.com/v1/messages", "k2"));
-        assert!(Arc::ptr_eq(&plain.inner, &alice.inner));
-        assert!(Arc::ptr_eq(&plain.inner, &bob.inner));
-        assert!(!Arc::ptr_eq(&plain.inner, &other.inner));
-        assert_eq!(alice.scope_upstream(), Some("api.example.com"));
-        assert_eq!(other.scope_upstream(), Some("api.example.com"));
-        assert_ne!(plain.scope_id(), other.scope_id());
-        assert_eq!(fleet.scopes().len(), 2);
-    }
-
-    fn limits(retry_after_max: Duration, random: &Random) -> Limits<'_> {
-        Limits {
-            retry_after_max,
-            ignores_above_ceiling: false,
-            random,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_ticket_whose_turn_is_past_its_bound_is_refused_on_joining_and_counted() {
-        // One turn a second; a policy that lets an attempt wait 2 s.
-        let fleet = Fleet::builder()
-            .budget(None)
-            .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap()))
-            .build();
-        let random = Random::default();
-        let policy = limits(Duration::from_secs(2), &random);
-        let mut cx = Context::from_waker(Waker::noop());
-        let secs = Duration::from_secs;
-        let mut first = fleet.ticket(policy, None).unwrap();
-        assert_eq!(first.poll_turn(&mut cx), Poll::Ready(Ok(0)));
-        // The head's turn is 1 s off; the next is expected in 2 s, exactly the bound.
-        let mut head = fleet.ticket(policy, None).unwrap();
-        assert!(head.poll_turn(&mut cx).is_pending());
-        let mut behind = fleet.ticket(policy, None).unwrap();
-        assert!(behind.poll_turn(&mut cx).is_pending());
-        // The one after would wait 3 s.
-        let mut late = fleet.ticket(policy, None).unwrap();
-        let refused = PacingRefused {
-            expected: Some(secs(3)),
-            left: secs(2),
-            bound: secs(2),
-            by_deadline: false,
-        };
-        assert_eq!(late.poll_turn(&mut cx), Poll::Ready(Err(refused)));
-        assert_eq!(
-            refused.to_string(),
-            "pacing turn 3s away, with 2s left of the 2s the request may wait"
-        );
-        assert_eq!(fleet.pacing_refused(), Some(1));
-        // A deadline nearer than the ceiling bounds the wait instead.
-        let forever = limits(Duration::MAX, &random);
-        let soon = Instant::now() + Duration::from_millis(2_500);
-        let mut hurried = fleet.ticket(forever, Some(soon)).unwrap();
-        match hurried.poll_turn(&mut cx) {
-            Poll::Ready(Err(refused)) => assert!(refused.by_deadline()),
-            other => panic!("expected a refusal by the deadline, got {other:?}"),
-        }
-        assert_eq!(fleet.pacing_refused(), Some(2));
-        // A ceiling of "forever" neither overflows nor refuses.
-        let mut patient = fleet.ticket(forever, None).unwrap();
-        assert!(patient.poll_turn(&mut cx).is_pending());
-        // Those refused left the line: the others keep their turns, one a second.
-        tokio::time::advance(secs(1)).await;
-        assert_eq!(head.poll_turn(&mut cx), Poll::Ready(Ok(0)));
-        tokio::time::advance(secs(1)).await;
-        assert_eq!(behind.poll_turn(&mut cx), Poll::Ready(Ok(0)));
-        tokio::time::advance(secs(1)).await;
-        assert_eq!(patient.poll_turn(&mut cx), Poll::Ready(Ok(0)));
-        assert_eq!(fleet.pacing_refused(), Some(2));
-    }
-
-    #[test]
-    fn the_refusal_reads_when_the_bound_ran_out_in_line() {
-        let refused = PacingRefused {
-            expected: None,
-            left: Duration::ZERO,
-            bound: Duration::from_secs(5),
-            by_deadline: false,
-        };
-        assert_eq!(
-            refused.to_string(),
-            "no pacing turn within the 5s the request may wait"
-        );
-    }
 }

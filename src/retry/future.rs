@@ -266,7 +266,7 @@ where
         let (parts, body) = req.into_parts();
         let policy_override = super::policy::per_request(&parts.extensions, &config.policy);
         let replay_safe = parts.extensions.get::<NotReplaySafe>().is_none();
-        let scoped = config.fleet.for_request(&parts.uri, &parts.headers);
+        let scoped = config.fleet.for_request(&parts);
         let started = Instant::now();
         let deadline = policy_override
             .as_ref()
@@ -1212,7 +1212,7 @@ where
             // what `Instant` can hold is past any deadline.
             let now = Instant::now();
             let after_sleep = now.checked_add(delay);
-            let after_gate = self.fleet().gate_closed_until().filter(|_| !stepped);
+            let after_gate = self.fleet().closed_until().filter(|_| !stepped);
             let after_gate = after_gate.map(|until| {
                 now.checked_add(policy.get_retry_after_max())
                     .map_or(until, |cap| until.min(cap))

@@ -70,7 +70,7 @@ async fn a_gate_closed_past_the_deadline_ends_the_request_at_once() {
         .await
         .unwrap();
     let planned = RetryPlanned::default();
-    let svc = gated(GateConfig::new(), &planned);
+    let svc = gated(GateConfig::new().min_close(Duration::ZERO), &planned);
     let first = close_gate(&server, &svc, &planned).await;
 
     // The gate stays closed 60 s; this request has 10 s in all, so it cannot start in time.
@@ -95,6 +95,7 @@ async fn the_gate_spread_never_carries_a_request_past_its_deadline() {
         .unwrap();
     let planned = RetryPlanned::default();
     let gate = GateConfig::new()
+        .min_close(Duration::ZERO)
         .spread(0.5, Duration::from_secs(30))
         .unwrap();
     let svc = ServiceBuilder::new()
@@ -135,7 +136,7 @@ async fn a_retry_the_gate_would_hold_past_the_deadline_returns_the_response_in_h
     .await
     .unwrap();
     let planned = RetryPlanned::default();
-    let svc = gated(GateConfig::new(), &planned);
+    let svc = gated(GateConfig::new().min_close(Duration::ZERO), &planned);
     let start = Instant::now();
     let slow = {
         let svc = svc.clone();
@@ -168,6 +169,9 @@ async fn a_wait_in_the_pacing_line_ends_at_the_deadline() {
     // 0, 1 and 2 s are taken, the ones at 3 and 4 s would come too late.
     let server = MockServer::start(Script::new()).await.unwrap();
     let pacing = PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(1.0, 1.0, 1.0)
         .unwrap()
         .decrease(0.5)

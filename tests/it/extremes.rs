@@ -205,7 +205,10 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
             });
         let jitter_max = 1.0 + 1.0; // every jitter mode stays within ×[0, 2]
         let delays = Delays::default();
-        let gate = GateConfig::new().spread(s.spread, s.max_spread).unwrap();
+        let gate = GateConfig::new()
+            .min_close(Duration::ZERO)
+            .spread(s.spread, s.max_spread)
+            .unwrap();
         let pacing = s.pacing.then(PacingConfig::new);
         let svc = ServiceBuilder::new()
             .layer(
@@ -382,7 +385,12 @@ async fn a_huge_retry_after_closes_the_gate_for_its_longest_hold() {
                 .observer(delays.clone())
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new().spread(10.0, Duration::MAX).unwrap()))
+                        .cooldown_gate(Some(
+                            GateConfig::new()
+                                .min_close(Duration::ZERO)
+                                .spread(10.0, Duration::MAX)
+                                .unwrap(),
+                        ))
                         .budget(None)
                         .build(),
                 ),

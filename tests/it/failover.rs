@@ -800,7 +800,7 @@ async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_
     .unwrap();
     // One state for every request: the gate read is the fleet's own.
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new()))
+        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
         .per_scope(false)
         .build();
     let svc = ServiceBuilder::new()

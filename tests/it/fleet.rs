@@ -179,6 +179,7 @@ async fn one_429_holds_100_first_attempts_and_releases_them_spread() {
         .unwrap();
     let planned = RetryPlanned::default();
     let gate = GateConfig::new()
+        .min_close(Duration::ZERO)
         .spread(0.5, Duration::from_secs(30))
         .unwrap();
     let svc = ServiceBuilder::new()
@@ -249,7 +250,7 @@ async fn a_529_with_retry_after_closes_the_gate_but_a_503_does_not() {
                     .observer(planned.clone())
                     .fleet(
                         Fleet::builder()
-                            .cooldown_gate(Some(GateConfig::new()))
+                            .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                             .build(),
                     ),
             )
@@ -285,7 +286,7 @@ async fn cancellation_while_waiting_at_the_gate_ends_at_once() {
                 .cancellation(token.clone())
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new()))
+                        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                         .build(),
                 ),
         )
@@ -322,7 +323,7 @@ async fn dropping_a_request_waiting_at_the_gate_sends_nothing() {
                 .policy(RetryPolicy::default().max_retries(0))
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new()))
+                        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                         .build(),
                 ),
         )
@@ -356,7 +357,7 @@ async fn a_waiter_is_held_no_longer_than_its_policy_ceiling() {
                 .observer(planned.clone())
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new()))
+                        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                         .build(),
                 ),
         )
@@ -388,7 +389,7 @@ async fn a_retry_after_above_the_ceiling_closes_the_gate_only_up_to_it() {
                 .policy(no_jitter().random(Random::from_fn(|| 0.0)))
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new()))
+                        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                         .build(),
                 ),
         )
@@ -449,7 +450,9 @@ async fn rate_limit_headers_close_the_gate_before_any_429() {
     ];
     for (reply, want) in cases {
         let server = MockServer::start(Script::new().then(reply)).await.unwrap();
-        let gate = GateConfig::new().wall_clock(move || now);
+        let gate = GateConfig::new()
+            .min_close(Duration::ZERO)
+            .wall_clock(move || now);
         let svc = ServiceBuilder::new()
             .layer(
                 RetryLayer::new()
@@ -488,7 +491,11 @@ async fn rate_limit_headers_can_be_ignored() {
         .layer(
             RetryLayer::new().fleet(
                 Fleet::builder()
-                    .cooldown_gate(Some(GateConfig::new().rate_limit_headers(false)))
+                    .cooldown_gate(Some(
+                        GateConfig::new()
+                            .min_close(Duration::ZERO)
+                            .rate_limit_headers(false),
+                    ))
                     .build(),
             ),
         )
@@ -514,7 +521,7 @@ async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
         .observer(planned.clone())
         .fleet(
             Fleet::builder()
-                .cooldown_gate(Some(GateConfig::new()))
+                .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                 .build(),
         );
     let a = layer.clone().layer(http_client());
@@ -522,7 +529,7 @@ async fn clones_of_a_layer_share_the_gate_and_separate_layers_do_not() {
     let separate = RetryLayer::new()
         .fleet(
             Fleet::builder()
-                .cooldown_gate(Some(GateConfig::new()))
+                .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                 .build(),
         )
         .layer(http_client());
@@ -567,10 +574,22 @@ async fn the_gate_turned_off_holds_nothing() {
 
 #[test]
 fn config_validation() {
-    assert!(GateConfig::new().spread(-0.1, Duration::ZERO).is_err());
-    assert!(GateConfig::new().spread(f64::NAN, Duration::ZERO).is_err());
-    assert!(GateConfig::new().spread(11.0, Duration::ZERO).is_err());
-    assert!(GateConfig::new().spread(0.0, Duration::ZERO).is_ok());
+    assert!(GateConfig::new()
+        .min_close(Duration::ZERO)
+        .spread(-0.1, Duration::ZERO)
+        .is_err());
+    assert!(GateConfig::new()
+        .min_close(Duration::ZERO)
+        .spread(f64::NAN, Duration::ZERO)
+        .is_err());
+    assert!(GateConfig::new()
+        .min_close(Duration::ZERO)
+        .spread(11.0, Duration::ZERO)
+        .is_err());
+    assert!(GateConfig::new()
+        .min_close(Duration::ZERO)
+        .spread(0.0, Duration::ZERO)
+        .is_ok());
 }
 
 #[tokio::test(start_paused = true)]
@@ -586,7 +605,7 @@ async fn an_unbounded_ceiling_still_waits_at_the_gate() {
                 .observer(planned.clone())
                 .fleet(
                     Fleet::builder()
-                        .cooldown_gate(Some(GateConfig::new()))
+                        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                         .build(),
                 ),
         )
@@ -609,6 +628,9 @@ async fn an_unbounded_ceiling_still_waits_at_the_gate() {
 
 fn paced(initial: f64, max: f64) -> tower_llm_retry::fleet::PacingConfig {
     tower_llm_retry::fleet::PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(initial, 1.0, max)
         .unwrap()
         .decrease(0.5)
@@ -733,6 +755,7 @@ async fn a_short_retry_after_below_min_close_leaves_the_gate_open() {
     .await
     .unwrap();
     let gate = GateConfig::new()
+        .min_close(Duration::ZERO)
         .spread(0.0, Duration::ZERO)
         .unwrap()
         .min_close(Duration::from_secs(5));
@@ -770,7 +793,10 @@ async fn requests_held_at_the_gate_leave_it_at_the_pacing_rate_not_at_once() {
     let server = MockServer::start(Script::new().then(Reply::rate_limited("2")))
         .await
         .unwrap();
-    let gate = GateConfig::new().spread(0.0, Duration::ZERO).unwrap();
+    let gate = GateConfig::new()
+        .min_close(Duration::ZERO)
+        .spread(0.0, Duration::ZERO)
+        .unwrap();
     let svc = ServiceBuilder::new()
         .layer(
             RetryLayer::new().policy(no_jitter()).fleet(
@@ -968,9 +994,16 @@ async fn a_stated_limit_of_one_a_minute_refuses_at_once_what_would_wait_past_the
         .unwrap();
     let svc = ServiceBuilder::new()
         .layer(
-            RetryLayer::new()
-                .policy(no_jitter())
-                .fleet(Fleet::builder().pacing(Some(PacingConfig::new())).build()),
+            RetryLayer::new().policy(no_jitter()).fleet(
+                Fleet::builder()
+                    .pacing(Some(
+                        PacingConfig::new()
+                            .dormant(false)
+                            .burst(Duration::ZERO)
+                            .unwrap(),
+                    ))
+                    .build(),
+            ),
         )
         .service(http_client());
     let url = server.url("/v1/messages");
@@ -1050,7 +1083,16 @@ async fn a_retry_whose_pacing_turn_is_past_the_ceiling_gives_up_with_its_trail()
             RetryLayer::new()
                 .policy(no_jitter().retry_after_max(Duration::from_secs(30)))
                 .observer(seen.clone())
-                .fleet(Fleet::builder().pacing(Some(PacingConfig::new())).build()),
+                .fleet(
+                    Fleet::builder()
+                        .pacing(Some(
+                            PacingConfig::new()
+                                .dormant(false)
+                                .burst(Duration::ZERO)
+                                .unwrap(),
+                        ))
+                        .build(),
+                ),
         )
         .service(http_client());
     let url = server.url("/v1/messages");
@@ -1113,7 +1155,14 @@ async fn a_request_waiting_behind_others_gives_up_at_its_own_bound() {
         .layer(
             RetryLayer::new().policy(no_jitter()).fleet(
                 Fleet::builder()
-                    .pacing(Some(PacingConfig::new().rates(1.0, 1.0, 1.0).unwrap()))
+                    .pacing(Some(
+                        PacingConfig::new()
+                            .dormant(false)
+                            .burst(Duration::ZERO)
+                            .unwrap()
+                            .rates(1.0, 1.0, 1.0)
+                            .unwrap(),
+                    ))
                     .build(),
             ),
         )
@@ -1230,7 +1279,12 @@ async fn a_hyper_stack_and_a_reqwest_stack_sharing_one_fleet_share_the_gate() {
     // One state for every request: the claim is read from the fleet's own. The gate alone:
     // the default pacing, woken by the 429, would space the two sent as it reopens.
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .cooldown_gate(Some(
+            GateConfig::new()
+                .min_close(Duration::ZERO)
+                .spread(0.0, Duration::ZERO)
+                .unwrap(),
+        ))
         .pacing(None)
         .per_scope(false)
         .build();
@@ -1245,7 +1299,7 @@ async fn a_hyper_stack_and_a_reqwest_stack_sharing_one_fleet_share_the_gate() {
     let other = RetryLayer::new()
         .fleet(
             Fleet::builder()
-                .cooldown_gate(Some(GateConfig::new()))
+                .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
                 .build(),
         )
         .layer(http_client());
@@ -1354,7 +1408,12 @@ async fn a_layer_cloned_and_reconfigured_keeps_sharing_its_fleet() {
     let planned = RetryPlanned::default();
     let base = RetryLayer::new().fleet(
         Fleet::builder()
-            .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+            .cooldown_gate(Some(
+                GateConfig::new()
+                    .min_close(Duration::ZERO)
+                    .spread(0.0, Duration::ZERO)
+                    .unwrap(),
+            ))
             .build(),
     );
     // Every setter but `fleet` leaves the fleet as it is.
@@ -1399,7 +1458,11 @@ async fn the_read_outs_report_the_gate_deadline_the_pace_and_the_budget() {
     .unwrap();
     // One state for every request: the read-outs are the fleet's own.
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new().min_close(Duration::from_secs(1))))
+        .cooldown_gate(Some(
+            GateConfig::new()
+                .min_close(Duration::ZERO)
+                .min_close(Duration::from_secs(1)),
+        ))
         .pacing(Some(paced(10.0, 10.0)))
         .per_scope(false)
         .build();
@@ -1490,7 +1553,12 @@ async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
         .unwrap();
     let other_upstream = MockServer::start(Script::new()).await.unwrap();
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .cooldown_gate(Some(
+            GateConfig::new()
+                .min_close(Duration::ZERO)
+                .spread(0.0, Duration::ZERO)
+                .unwrap(),
+        ))
         .per_scope(true)
         .build();
     let planned = RetryPlanned::default();
@@ -1528,7 +1596,15 @@ async fn a_fleet_kept_per_scope_holds_only_the_scope_that_got_the_429() {
     let b = fleet.scope_for(&with_key(&url, "sk-ant-key-b"));
     assert_eq!(a.gate_closed_until(), Some(origin + Duration::from_secs(8)));
     assert_eq!(b.gate_closed_until(), None);
-    assert_eq!(fleet.gate_closed_until(), None);
+    // The fleet's own read-outs report over its scopes: the one gate that is closed.
+    assert_eq!(
+        fleet.gate_closed_until(),
+        Some(origin + Duration::from_secs(8))
+    );
+    assert_eq!(
+        (a.gate_closings(), b.gate_closings(), fleet.gate_closings()),
+        (Some(1), Some(0), Some(1))
+    );
     assert_eq!(fleet.scopes().len(), 3);
     let authority = url.trim_start_matches("http://").split('/').next().unwrap();
     assert_eq!(a.scope_upstream(), Some(authority));
@@ -1559,7 +1635,12 @@ async fn a_fleet_not_kept_per_scope_holds_every_key() {
         .unwrap();
     // Kept per scope by default now: this is the fleet that is not.
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .cooldown_gate(Some(
+            GateConfig::new()
+                .min_close(Duration::ZERO)
+                .spread(0.0, Duration::ZERO)
+                .unwrap(),
+        ))
         .per_scope(false)
         .build();
     let planned = RetryPlanned::default();
@@ -1609,7 +1690,7 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
     for (n, wait) in [(0, 7), (1, 5)] {
         // One state for every request: the gate read is the fleet's own.
         let fleet = Fleet::builder()
-            .cooldown_gate(Some(GateConfig::new()))
+            .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
             .per_scope(false)
             .build();
         let svc = RetryLayer::new()
@@ -1651,6 +1732,9 @@ fn a_fleet_built_by_default_has_the_gate_a_dormant_pacing_and_scopes() {
         assert_eq!(fleet.gate_closed_until(), None);
         assert_eq!(fleet.gate_closings(), Some(0));
         let pacing = PacingConfig::new()
+            .dormant(false)
+            .burst(Duration::ZERO)
+            .unwrap()
             .dormant(true)
             .burst(Duration::from_secs(1))
             .unwrap();
@@ -2018,4 +2102,65 @@ async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_paci
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
     // The retry after its own Retry-After of 1 s.
     assert_eq!(arrivals(&server, origin)[2], Duration::from_secs(1));
+}
+
+/// The read-outs of the default fleet (the one `RetryLayer::new()` builds, kept per scope)
+/// report over its scopes: after a `429` with `Retry-After: 3`, the gate is closed and
+/// counted, the pacing is awake, and the budget counts the first attempts and the retry.
+#[tokio::test(start_paused = true)]
+async fn the_default_fleets_read_outs_report_its_scopes_after_traffic() {
+    let server = MockServer::start(Script::new().then(Reply::rate_limited("3")))
+        .await
+        .unwrap();
+    let planned = RetryPlanned::default();
+    let layer = RetryLayer::new().policy(exact()).observer(planned.clone());
+    let fleet = layer.get_fleet().clone();
+    assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.gate_closings(), Some(0));
+    assert_eq!(fleet.pace(), None);
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!((stats.first_attempts, stats.retries), (0, 0));
+
+    let svc = layer.layer(http_client());
+    let url = server.url("/v1/messages");
+    let notified = planned.0.notified();
+    let first = tokio::spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    notified.await;
+    let origin = server.requests()[0].received_at;
+    // Key a's scope got the 429: the fleet's read-outs say so, as the scope's do.
+    assert_eq!(fleet.scopes().len(), 1);
+    assert_eq!(
+        fleet.gate_closed_until(),
+        Some(origin + Duration::from_secs(3))
+    );
+    assert_eq!(fleet.gate_closings(), Some(1));
+    assert_eq!(fleet.pace(), Some(50.0));
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!((stats.first_attempts, stats.retries), (1, 1));
+
+    // Key b, another scope: its first attempt is counted, its pace woke with none.
+    let res = svc
+        .clone()
+        .oneshot(with_key(&url, "sk-ant-key-b"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(Instant::now() - origin, Duration::from_secs(3));
+    assert_eq!(fleet.scopes().len(), 2);
+    let stats = fleet.budget_stats().unwrap();
+    assert_eq!(
+        (stats.first_attempts, stats.retries, stats.refused),
+        (2, 1, 0)
+    );
+    // Summed over the scopes: each reads its own.
+    let a = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let b = fleet.scope_for(&with_key(&url, "sk-ant-key-b"));
+    assert_eq!(a.budget_stats().unwrap().first_attempts, 1);
+    assert_eq!(b.budget_stats().unwrap().first_attempts, 1);
+    assert_eq!((a.gate_closings(), b.gate_closings()), (Some(1), Some(0)));
+    assert_eq!((a.pace().is_some(), b.pace()), (true, None));
+    assert_eq!(fleet.pace(), a.pace());
+    assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.gate_closings(), Some(1));
 }

@@ -31,6 +31,7 @@ fn patient(store: RedisFleet) -> RedisFleet {
 
 fn gate() -> GateConfig {
     GateConfig::new()
+        .min_close(Duration::ZERO)
         .spread(0.25, Duration::from_secs(30))
         .unwrap()
 }
@@ -470,7 +471,12 @@ async fn the_shared_pace_keeps_the_sum_of_the_fleets_under_the_stated_limit() {
     let fleets: Vec<Fleet> = (0..3)
         .map(|_| {
             Fleet::builder()
-                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .pacing(Some(
+                    tower_llm_retry::fleet::PacingConfig::new()
+                        .dormant(false)
+                        .burst(Duration::ZERO)
+                        .unwrap(),
+                ))
                 .redis(patient(store(&redis)))
                 .build()
         })
@@ -533,6 +539,9 @@ async fn a_refusal_seen_by_every_fleet_in_one_round_slows_the_fleet_once() {
     .await
     .unwrap();
     let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(10.0, 1.0, 10.0)
         .unwrap()
         .decrease(0.5)
@@ -589,7 +598,12 @@ async fn pacing_child() {
     let mock = std::env::var("FLEET_CHILD_MOCK").unwrap();
     let n: usize = std::env::var("FLEET_CHILD_N").unwrap().parse().unwrap();
     let fleet = Fleet::builder()
-        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .pacing(Some(
+            tower_llm_retry::fleet::PacingConfig::new()
+                .dormant(false)
+                .burst(Duration::ZERO)
+                .unwrap(),
+        ))
         .redis(patient(
             RedisFleet::from_url(&redis)
                 .unwrap()
@@ -630,7 +644,12 @@ async fn paced_under_a_stated_limit(redis: &RedisServer) -> (MockServer, Fleet) 
     .await
     .unwrap();
     let fleet = Fleet::builder()
-        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .pacing(Some(
+            tower_llm_retry::fleet::PacingConfig::new()
+                .dormant(false)
+                .burst(Duration::ZERO)
+                .unwrap(),
+        ))
         .redis(patient(store(redis)))
         .build();
     all_connected(std::slice::from_ref(&fleet)).await;
@@ -773,6 +792,9 @@ async fn a_pacing_turn_waits_no_longer_than_one_redis_deadline_when_redis_freeze
     let server = MockServer::start(Script::new()).await.unwrap();
     // A rate no request reaches: a turn is its admission alone.
     let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(1_000.0, 1.0, 1_000.0)
         .unwrap();
     let fleet = Fleet::builder()
@@ -806,6 +828,9 @@ async fn a_pacing_turn_waits_no_longer_than_one_redis_deadline_when_redis_freeze
 /// reservations and the poll), at a fixed `rate`.
 fn paced_only(redis: &RedisServer, rate: f64) -> Fleet {
     let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(rate, 1.0, rate)
         .unwrap();
     Fleet::builder()
@@ -909,6 +934,9 @@ async fn attempts_queued_for_a_slot_go_to_the_local_line_when_redis_freezes() {
         .budget(None)
         .pacing(Some(
             tower_llm_retry::fleet::PacingConfig::new()
+                .dormant(false)
+                .burst(Duration::ZERO)
+                .unwrap()
                 .rates(20.0, 1.0, 20.0)
                 .unwrap(),
         ))
@@ -969,7 +997,12 @@ async fn every_script_runs_on_a_single_node_cluster_without_crossslot_and_coordi
                 .scope("127.0.0.1", b"test-key");
             Fleet::builder()
                 .cooldown_gate(Some(gate()))
-                .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+                .pacing(Some(
+                    tower_llm_retry::fleet::PacingConfig::new()
+                        .dormant(false)
+                        .burst(Duration::ZERO)
+                        .unwrap(),
+                ))
                 .redis(patient(store))
                 .build()
         })
@@ -1075,7 +1108,12 @@ fn a_fleet_whose_runtime_shut_down_paces_locally_and_hangs_nothing() {
         return;
     };
     let fleet = Fleet::builder()
-        .pacing(Some(tower_llm_retry::fleet::PacingConfig::new()))
+        .pacing(Some(
+            tower_llm_retry::fleet::PacingConfig::new()
+                .dormant(false)
+                .burst(Duration::ZERO)
+                .unwrap(),
+        ))
         .redis(patient(store(&redis)))
         .build();
     let first = tokio::runtime::Builder::new_current_thread()
@@ -1182,6 +1220,9 @@ async fn a_refusal_reported_during_a_redis_stall_still_slows_the_fleet() {
     .await
     .unwrap();
     let pacing = tower_llm_retry::fleet::PacingConfig::new()
+        .dormant(false)
+        .burst(Duration::ZERO)
+        .unwrap()
         .rates(10.0, 1.0, 10.0)
         .unwrap()
         .decrease(0.5)

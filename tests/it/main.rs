@@ -26,7 +26,6 @@ mod mock_server;
 mod mock_tls_h2;
 mod overflow;
 mod pipeline;
-mod properties;
 mod replay;
 mod reqwest;
 mod reqwest_tls;

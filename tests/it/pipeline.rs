@@ -233,7 +233,7 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     .await
     .unwrap();
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new()))
+        .cooldown_gate(Some(GateConfig::new().min_close(Duration::ZERO)))
         .build();
     let fleet_layer = RetryLayer::new()
         .policy(exact_policy())
@@ -255,6 +255,10 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(started.elapsed(), Duration::ZERO);
     assert_eq!(server.request_count(), 3);
+    // The fleet's read-outs report over its scopes (here the upstream's, the credential
+    // being set inside): both requests counted, and no closing.
+    assert_eq!(fleet.budget_stats().unwrap().first_attempts, 2);
+    assert_eq!(fleet.gate_closings(), Some(0));
     assert_eq!(fleet.gate_closed_until(), None);
 }
 

@@ -242,6 +242,7 @@ async fn a_body_too_large_to_hold_waits_at_the_gate_and_within_the_deadline() {
                     tower_llm_retry::fleet::Fleet::builder()
                         .cooldown_gate(Some(
                             tower_llm_retry::fleet::GateConfig::new()
+                                .min_close(Duration::ZERO)
                                 .spread(0.0, Duration::ZERO)
                                 .unwrap(),
                         ))

@@ -119,7 +119,7 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                 }
                 let req = http::Request::post(&url)
                     .header("content-type", "application/json")
-                    .body(Full::new(body(i, i % 2 == 0)))
+                    .body(Full::new(body(i, i.is_multiple_of(2))))
                     .unwrap();
                 let outcome = stack.clone().oneshot(req).await;
                 match outcome {
@@ -178,7 +178,7 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
         let restored = replace_value(&restored, "max_tokens", &MAX_TOKENS).unwrap();
         assert_eq!(
             sha256(&restored),
-            sha256(&body(i, i % 2 == 0)),
+            sha256(&body(i, i.is_multiple_of(2))),
             "request {i}"
         );
         assert_eq!(r.headers["x-api-key"], API_KEY);

@@ -157,3 +157,44 @@ async fn an_azure_api_key_names_its_own_tenant() {
     let keys: Vec<_> = seen.iter().map(|r| r.headers["api-key"].clone()).collect();
     assert_eq!(keys, ["az-1", "az-2", "az-1"]);
 }
+
+/// The gate metric is the fleet's own count of closings: a `429` with `Retry-After: 1` (a
+/// token bucket's next token, under the default gate's 2 s) closes nothing; one with
+/// `Retry-After: 3` closes the tenant's gate once.
+#[tokio::test(start_paused = true)]
+async fn the_gate_metric_counts_only_the_closings_the_fleet_made() {
+    let closings = |h: &Harness| {
+        let m = h.proxy.metrics().render();
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix("llm_retry_proxy_gate_closures_total{upstream=\"anthropic\"} ")
+            })
+            .map(|v| v.parse::<u64>().unwrap())
+    };
+    let h = start(
+        Script::new()
+            .then(Reply::rate_limited("1"))
+            .then(Reply::success())
+            .then(Reply::rate_limited("3"))
+            .then(Reply::success()),
+    )
+    .await;
+    let started = tokio::time::Instant::now();
+    assert_eq!(h.send(from("sk-A", &h)).await.status(), 200);
+    assert_eq!(h.mock.request_count(), 2);
+    assert_eq!(closings(&h), Some(0));
+    assert_eq!(h.send(from("sk-A", &h)).await.status(), 200);
+    assert_eq!(h.mock.request_count(), 4);
+    assert_eq!(closings(&h), Some(1));
+    // The retries waited what they were told: 1 s, then 3 s.
+    let seen = h.mock.requests();
+    assert_eq!(
+        seen[1].received_at - seen[0].received_at,
+        Duration::from_secs(1)
+    );
+    assert_eq!(
+        seen[3].received_at - seen[2].received_at,
+        Duration::from_secs(3)
+    );
+    assert!(started.elapsed() >= Duration::from_secs(4));
+}

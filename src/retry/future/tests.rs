@@ -127,7 +127,12 @@ async fn a_503_reads_the_body_sleeps_the_backoff_then_sends_attempt_two() {
 async fn a_closed_gate_holds_the_first_attempt_then_sends_it() {
     // One state for every request: the gate read is the fleet's own.
     let fleet = Fleet::builder()
-        .cooldown_gate(Some(GateConfig::new().spread(0.0, Duration::ZERO).unwrap()))
+        .cooldown_gate(Some(
+            GateConfig::new()
+                .min_close(Duration::ZERO)
+                .spread(0.0, Duration::ZERO)
+                .unwrap(),
+        ))
         .per_scope(false)
         .build();
     // A 429 with Retry-After: 10 from one request closes the gate for the next.

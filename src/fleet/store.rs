@@ -1,0 +1,261 @@
+//! Where the state of a fleet's scope lives: in this process alone, or shared with other
+//! processes through Redis (feature `fleet-redis`). The rest of the fleet speaks to one
+//! [`Store`] and never asks which.
+//!
+//! The local state (budget, gate, pacer) is always there: it is what a request reads on its
+//! path, and what the fleet falls back to when Redis fails. A Redis store adds the link that
+//! keeps it in step with the other processes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::budget::{BudgetConfig, SharedBudget};
+use super::gate::Gate;
+use super::limit::Pacer;
+
+/// Marks the epochs of a schedule kept across processes, so that a refusal is reported to
+/// the schedule its attempt had its turn from.
+pub(crate) const REMOTE_EPOCH: u64 = 1 << 63;
+
+/// What a builder says of the store: the settings a scope's store is made from.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum StoreConfig {
+    /// In this process alone.
+    #[default]
+    Local,
+    /// Shared through Redis.
+    #[cfg(feature = "fleet-redis")]
+    Redis(Box<super::redis::RedisFleet>),
+}
+
+impl StoreConfig {
+    /// Whether the state stays in this process.
+    pub(crate) fn is_local(&self) -> bool {
+        match self {
+            StoreConfig::Local => true,
+            #[cfg(feature = "fleet-redis")]
+            StoreConfig::Redis(_) => false,
+        }
+    }
+
+    /// The store of the scope of `upstream` and `credential` of a fleet kept per scope: a
+    /// Redis store names that scope, unless a scope was set on it.
+    pub(crate) fn for_scope(self, upstream: &str, credential: &[u8]) -> Self {
+        match self {
+            StoreConfig::Local => {
+                let _ = (upstream, credential);
+                StoreConfig::Local
+            }
+            #[cfg(feature = "fleet-redis")]
+            StoreConfig::Redis(r) => {
+                StoreConfig::Redis(Box::new(r.default_scope(upstream, credential)))
+            }
+        }
+    }
+
+    /// The store of one state, over its local budget, gate and pacer.
+    pub(crate) fn build(
+        self,
+        gate: Option<&Arc<Gate>>,
+        budget: Option<BudgetConfig>,
+        pacer: Option<&Arc<Pacer>>,
+    ) -> Store {
+        match self {
+            StoreConfig::Local => {
+                let _ = (gate, budget, pacer);
+                Store::Local
+            }
+            #[cfg(feature = "fleet-redis")]
+            StoreConfig::Redis(store) => Store::Redis(super::redis::Link::new(
+                *store,
+                gate.cloned(),
+                budget,
+                pacer.cloned(),
+            )),
+        }
+    }
+}
+
+/// The store of one state.
+#[derive(Debug)]
+pub(crate) enum Store {
+    /// The local state is the whole state.
+    Local,
+    /// The local state, kept in step with other processes through Redis.
+    #[cfg(feature = "fleet-redis")]
+    Redis(super::redis::Link),
+}
+
+impl Store {
+    /// Whether the state is shared with other processes.
+    #[inline]
+    pub(crate) fn is_shared(&self) -> bool {
+        !matches!(self, Store::Local)
+    }
+
+    /// A first attempt is about to be sent (`counted`: and the budget counts it).
+    #[inline]
+    pub(crate) fn deposit(&self, counted: bool) {
+        match self {
+            Store::Local => {
+                let _ = counted;
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => {
+                if counted {
+                    link.deposit();
+                } else {
+                    // No budget to count for: the link still starts on the first request's
+                    // runtime (a fleet built outside one has no task yet to learn the
+                    // others' closings).
+                    link.ensure_started();
+                }
+            }
+        }
+    }
+
+    /// May a retry be made, paid from `budget`?
+    pub(crate) fn withdraw(&self, budget: &SharedBudget) -> bool {
+        match self {
+            Store::Local => budget.withdraw(),
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.withdraw(budget),
+        }
+    }
+
+    /// The local gate was closed until `until` for `wait`: the other processes are told.
+    pub(crate) fn closed(&self, until: Instant, wait: Duration) {
+        match self {
+            Store::Local => {
+                let _ = (until, wait);
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.closed(until, wait),
+        }
+    }
+
+    /// A response stated a request limit, capping the pacing at `cap` requests a second.
+    pub(crate) fn stated_limit(&self, cap: f64) {
+        match self {
+            Store::Local => {
+                let _ = cap;
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.stated_limit(cap),
+        }
+    }
+
+    /// The pacing rate shared across processes, while the store knows one.
+    pub(crate) fn pace(&self) -> Option<f64> {
+        match self {
+            Store::Local => None,
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.pace(),
+        }
+    }
+
+    /// An attempt that had a turn succeeded: true when the store took the report (its
+    /// schedule is shared), false when it is the local pacer's.
+    #[inline]
+    pub(crate) fn paced_success(&self) -> bool {
+        match self {
+            Store::Local => false,
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => {
+                let shared = link.paces();
+                if shared {
+                    link.paced_success();
+                }
+                shared
+            }
+        }
+    }
+
+    /// An attempt sent in `epoch` was refused for load: true when the epoch was one of the
+    /// shared schedule (reported to it, when the store still has one), false when it is the
+    /// local pacer's.
+    pub(crate) fn paced_refusal(&self, epoch: u64) -> bool {
+        if epoch & REMOTE_EPOCH == 0 {
+            return false;
+        }
+        match self {
+            Store::Local => {}
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.paced_refusal(epoch & !REMOTE_EPOCH),
+        }
+        true
+    }
+
+    /// A turn of the shared schedule for an attempt that may wait `max_wait`, when the store
+    /// has one; `None`: the local line.
+    pub(crate) fn reserve(&self, max_wait: Duration) -> Option<RemoteTurn> {
+        match self {
+            Store::Local => {
+                let _ = max_wait;
+                None
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.reserve(max_wait),
+        }
+    }
+
+    /// The state of the link to Redis, when the store is one.
+    #[cfg(feature = "fleet-redis")]
+    pub(crate) fn redis_state(&self) -> Option<super::redis::RedisState> {
+        match self {
+            Store::Local => None,
+            Store::Redis(link) => Some(link.state()),
+        }
+    }
+}
+
+/// How a turn of the shared schedule came out.
+#[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RemoteOutcome {
+    /// Booked: go in this epoch of the shared schedule.
+    Go(u64),
+    /// Refused: the turn would come this far off, beyond what the attempt may wait.
+    TooFar(Duration),
+    /// No answer in time: the local line.
+    Failed,
+}
+
+#[cfg(feature = "fleet-redis")]
+pub(crate) use super::redis::RemoteTurn;
+
+/// A turn of a shared schedule: none without a store that shares one.
+#[cfg(not(feature = "fleet-redis"))]
+#[derive(Debug)]
+pub(crate) enum RemoteTurn {}
+
+#[cfg(not(feature = "fleet-redis"))]
+impl RemoteTurn {
+    pub(crate) fn poll(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<RemoteOutcome> {
+        match *self {}
+    }
+}
+
+/// The hex hash naming a scope: the credential never leaves the process.
+pub(crate) fn scope_id(upstream: &str, credential: &[u8]) -> String {
+    #[cfg(feature = "fleet-redis")]
+    {
+        super::redis::scope_hash(upstream, credential)
+    }
+    #[cfg(not(feature = "fleet-redis"))]
+    {
+        // Within one process: a keyed hash, not kept anywhere else.
+        use std::hash::BuildHasher;
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        let h = KEY
+            .get_or_init(Default::default)
+            .hash_one((upstream, credential));
+        format!("{h:016x}")
+    }
+}
