@@ -69,11 +69,6 @@ impl ErrorBody {
     }
 }
 
-/// Reads the error signal out of a (possibly truncated) JSON error body.
-pub(crate) fn body_signal(body: &[u8]) -> BodySignal {
-    read(body).0
-}
-
 /// The signal, and the message when the body parsed.
 fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
     if body.is_empty() {
@@ -203,6 +198,10 @@ impl Numbers<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn body_signal(body: &[u8]) -> BodySignal {
+        ErrorBody::parse(body).signal
+    }
 
     #[test]
     fn overflow_numbers() {

@@ -17,7 +17,7 @@ use tower::Layer;
 use tower_service::Service;
 
 use crate::fleet::{Fleet, GateConfig};
-use crate::pipeline::{Asks, Carried, Judge, Judged};
+use crate::pipeline::{AttemptContext, Companion, Judged, Question};
 use crate::{ReplayBody, RetryLayer, RetryPolicy};
 
 /// Answers from a script, in order, and records every request's retry count.
@@ -157,21 +157,12 @@ async fn a_closed_gate_holds_the_first_attempt_then_sends_it() {
 /// A companion that asks for one re-send of the first answer.
 struct ResendOnce;
 
-impl Judge for ResendOnce {
-    fn wants_body(&self, _: &http::response::Parts) -> bool {
-        false
-    }
-
-    fn judge(
-        &self,
-        _: &mut http::response::Parts,
-        _: Option<&crate::provider::error_body::ErrorBody>,
-        carried: &mut Carried,
-    ) -> Judged {
-        if carried.refreshed {
+impl Companion for ResendOnce {
+    fn judge(&self, q: &mut Question<'_>) -> Judged {
+        if q.carried.refreshed {
             return Judged::Pass;
         }
-        carried.refreshed = true;
+        q.carried.refreshed = true;
         Judged::Resend
     }
 }
@@ -190,13 +181,11 @@ impl Service<Request<ReplayBody>> for Asking {
     }
 
     fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
-        let refreshed = req
-            .extensions()
-            .get::<Carried>()
-            .is_some_and(|c| c.refreshed);
-        let mut res = self.0.call(req).into_inner().unwrap();
-        if res.status() == StatusCode::UNAUTHORIZED && !refreshed {
-            Asks::push(res.extensions_mut(), Arc::new(ResendOnce));
+        let link = AttemptContext::link_of(req.extensions()).cloned();
+        let refreshed = link.as_ref().is_some_and(|l| l.carried().refreshed);
+        let res = self.0.call(req).into_inner().unwrap();
+        if let (StatusCode::UNAUTHORIZED, false, Some(link)) = (res.status(), refreshed, link) {
+            link.ask(ResendOnce);
         }
         ready(Ok(res))
     }
