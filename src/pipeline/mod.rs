@@ -325,6 +325,53 @@ impl Link {
     }
 }
 
+/// The handles of finished requests, kept for the next ones, so that a request costs no
+/// allocation for its handle once the service has served as many at once. One per `Retry`
+/// service, bounded.
+#[derive(Default)]
+pub(crate) struct Links(Mutex<Vec<Link>>);
+
+impl Links {
+    /// The most handles kept.
+    const KEPT: usize = 64;
+
+    /// A handle carrying nothing: a kept one, or a new one.
+    pub(crate) fn take(&self) -> Link {
+        let kept = self.0.lock().ok().and_then(|mut links| links.pop());
+        kept.unwrap_or_else(Link::new)
+    }
+
+    /// Keeps a finished request's handle for a later one, when no one else holds it.
+    pub(crate) fn give_back(&self, mut link: Link) {
+        let Some(shared) = Arc::get_mut(&mut link.0) else {
+            return;
+        };
+        shared.carried = Carried::default();
+        *shared
+            .said
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = Said::default();
+        if let Ok(mut links) = self.0.lock() {
+            if links.len() < Self::KEPT {
+                links.push(link);
+            }
+        }
+    }
+}
+
+impl Clone for Links {
+    // A service's own: a clone starts with none.
+    fn clone(&self) -> Self {
+        Links::default()
+    }
+}
+
+impl fmt::Debug for Links {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Links").finish_non_exhaustive()
+    }
+}
+
 impl PartialEq for Link {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0)

@@ -61,6 +61,16 @@ pub(super) struct Ctx<S, C> {
     pub(super) scoped: Option<Fleet>,
 }
 
+impl<S, C> Drop for Ctx<S, C> {
+    // The attempt's future went first (it is dropped before the context), and with it the
+    // companions' hold on the link: the next request may have it.
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take() {
+            self.config.links.give_back(link);
+        }
+    }
+}
+
 /// What of the request may be sent again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Resend {

@@ -567,7 +567,8 @@ where
         let (mut parts, body) = self.held.send(self.resend != Resend::Never).into_parts();
         self.attempt_head_timeout = self.head_timeout();
         let link = {
-            let link = self.link.get_or_insert_with(Link::new);
+            let links = &self.config.links;
+            let link = self.link.get_or_insert_with(|| links.take());
             link.renew();
             link.clone()
         };
