@@ -6,11 +6,14 @@
 //! `Retry-After` ceiling, the retry count, the deadline, the budget) is decided after it, in the
 //! order listed in [`retry`](crate::retry#after-the-verdict).
 //!
-//! Before any classifier runs, the loop itself ends a request on the final word of a companion
+//! Whatever the classifier says, the loop ends a request on the final word of a companion
 //! layer inside it (a credential that could not be had, a signal to switch models, an overload
 //! from the last model of a fallback chain): see
 //! [`retry`](crate::retry#companion-layers-inside-the-loop). A custom [`Classify`] cannot
-//! retry those.
+//! retry those. The companions read the classifier's verdict: with a custom one, a fallback
+//! trigger counts what it calls an overload or a retryable failure, and a key pool tells an
+//! exhausted quota from a rate limit by what it calls
+//! [`QuotaExhausted`](FailureClass::QuotaExhausted).
 //!
 //! | # | outcome of the attempt | verdict | class |
 //! |---|---|---|---|

@@ -14,12 +14,12 @@
 //!
 //! The triggers and circuits read the loop's [`Classification`](crate::Classification) of
 //! each attempt, so a custom [`Classify`](crate::Classify) changes failover as it changes
-//! retries. For failover without retries, use `RetryLayer` with the
-//! [`never`](crate::RetryPolicy::never) policy: a fallback step is a new attempt, so it then
-//! needs at least as many retries as steps, while a circuit's skip still applies to the one
-//! attempt. Outside `RetryLayer` the layer sees no `AttemptContext`, so it cannot count a
-//! request's consecutive overloads and does not fall back as configured; it logs a warning
-//! the first time, once per layer.
+//! retries. The layer works only inside `RetryLayer`: a step down the chain is the loop's
+//! next attempt. With the [`never`](crate::RetryPolicy::never) policy there is no next
+//! attempt, but the circuits still send each request past a target whose circuit is open,
+//! and they still learn from its one attempt. Outside `RetryLayer` the layer sees no
+//! `AttemptContext`, so it cannot count a request's consecutive overloads and does not fall
+//! back as configured; it logs a warning the first time, once per layer.
 //!
 //! When a [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside this one re-sends a
 //! request to its context-window fallback, [`ModelUsed::model`] names that model.

@@ -22,6 +22,7 @@
 //! peek and the idle timer), the peek limit.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -201,6 +202,19 @@ pub(crate) struct Carried {
 }
 
 impl Carried {
+    /// Whether it carries nothing.
+    fn is_empty(&self) -> bool {
+        !self.refreshed && self.rotations == 0 && self.repair.is_none() && self.failures.is_empty()
+    }
+
+    /// Carries nothing.
+    fn clear(&mut self) {
+        self.refreshed = false;
+        self.rotations = 0;
+        self.repair = None;
+        self.failures.clear();
+    }
+
     /// A new attempt (not a re-send of the same one): what was per attempt starts over.
     pub(crate) fn next_attempt(&mut self) {
         self.refreshed = false;
@@ -254,6 +268,8 @@ pub(crate) struct Link(Arc<Shared>);
 struct Shared {
     carried: Carried,
     said: Mutex<Said>,
+    // Whether anything was said since the last take: the loop locks only then.
+    spoken: AtomicBool,
 }
 
 /// What the companions left on a send for the loop.
@@ -275,17 +291,8 @@ impl Link {
         Link(Arc::new(Shared {
             carried,
             said: Mutex::new(Said::default()),
+            spoken: AtomicBool::new(false),
         }))
-    }
-
-    /// The handle for the next send: this one, emptied of what was said on the last, when no
-    /// send holds it any more (no allocation); else a new one carrying the same.
-    pub(crate) fn renew(&mut self) {
-        *self
-            .unique()
-            .said
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = Said::default();
     }
 
     /// What the next send carries, to change.
@@ -315,13 +322,19 @@ impl Link {
         self.said().level = Some(level);
     }
 
-    /// Takes what the companions left on this send.
+    /// Takes what the companions left on this send, leaving nothing for the next one.
+    #[inline]
     pub(crate) fn take_said(&self) -> Said {
-        std::mem::take(&mut *self.said())
+        if !self.0.spoken.swap(false, Ordering::Acquire) {
+            return Said::default();
+        }
+        std::mem::take(&mut *self.0.said.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     fn said(&self) -> std::sync::MutexGuard<'_, Said> {
-        self.0.said.lock().unwrap_or_else(PoisonError::into_inner)
+        let said = self.0.said.lock().unwrap_or_else(PoisonError::into_inner);
+        self.0.spoken.store(true, Ordering::Release);
+        said
     }
 }
 
@@ -336,21 +349,23 @@ impl Links {
     const KEPT: usize = 64;
 
     /// A handle carrying nothing: a kept one, or a new one.
+    #[inline]
     pub(crate) fn take(&self) -> Link {
         let kept = self.0.lock().ok().and_then(|mut links| links.pop());
         kept.unwrap_or_else(Link::new)
     }
 
     /// Keeps a finished request's handle for a later one, when no one else holds it.
+    #[inline]
     pub(crate) fn give_back(&self, mut link: Link) {
-        let Some(shared) = Arc::get_mut(&mut link.0) else {
+        // No `Weak` is ever made of a handle: one strong count is this one. What was said on
+        // its last send was taken when that send ended.
+        if Arc::strong_count(&link.0) != 1 {
             return;
-        };
-        shared.carried = Carried::default();
-        *shared
-            .said
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = Said::default();
+        }
+        if !link.0.carried.is_empty() {
+            link.carried_mut().clear();
+        }
         if let Ok(mut links) = self.0.lock() {
             if links.len() < Self::KEPT {
                 links.push(link);
@@ -388,6 +403,7 @@ impl fmt::Debug for Link {
 
 impl Said {
     /// Whether the error body must be read before the companions are asked.
+    #[inline]
     pub(crate) fn wants_body(&self, head: &http::response::Parts) -> bool {
         self.companions.iter().any(|c| c.wants_body(head))
     }

@@ -45,8 +45,10 @@ struct ErrorObject<'a> {
     message: Option<std::borrow::Cow<'a, str>>,
 }
 
-/// An error body as the retry loop read it, once per attempt: what it says, parsed once for
-/// every companion layer.
+/// What an error body says, parsed once: by the default classifier, which hands the numbers
+/// of a context overflow on to the companion layers in its [`Classification`].
+///
+/// [`Classification`]: crate::Classification
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ErrorBody {
     pub(crate) signal: BodySignal,

@@ -23,7 +23,7 @@ use crate::fleet::Fleet;
 use crate::pipeline::body::RetryBody;
 use crate::pipeline::{Failed, Judged, Link, Question, Said};
 use crate::provider::error_body::context_overflow;
-use crate::stream::{is_event_stream, CommitReason, OutputTruncated, StreamCommitted, StreamScan};
+use crate::stream::{CommitReason, OutputTruncated, StreamCommitted, StreamScan};
 
 /// A bound on the re-sends companion layers may ask for within one attempt.
 const MAX_COMPANION_RESENDS: u32 = 32;
@@ -170,6 +170,9 @@ where
 {
     /// Decides on a response: `reply` is its body as read (nothing, when `outcome` is
     /// [`Peek::Head`]), `said` what the companions left on its send.
+    // Inlined: the response and its body are large, and the path every request takes should
+    // not copy them into a call and back out.
+    #[inline(always)]
     pub(super) fn decide<R>(
         &mut self,
         mut head: http::response::Parts,
@@ -213,7 +216,7 @@ where
                 };
                 let error = match &mut reply {
                     Reply::Peeked(peeked, _) => peeked.error.take(),
-                    Reply::Untouched(_) => None,
+                    Reply::Untouched { .. } => None,
                 };
                 (Classification::retry(class), None, error)
             }
@@ -224,6 +227,7 @@ where
         };
         let answer = match outcome {
             Peek::CutByDeadline => Answer::Cut,
+            _ if said.companions.is_empty() && self.resend != Resend::Never => Answer::Go,
             _ => match self.ask(&said, &mut head, &c, &mut remark) {
                 // Sent once: the companions still mark the response (an overflow's numbers),
                 // and nothing they ask of the loop can be done.
@@ -268,6 +272,7 @@ where
                         .bytes()
                         .is_some_and(|b| crate::stream::output_truncated(&b));
                 let peeked_bytes = reply.len();
+                let sse = matches!(reply, Reply::Untouched { sse: true, .. });
                 // A failure handed up as it happened: the caller reads the bytes that came,
                 // then the error.
                 let mut body = reply.into_body(self.policy().get_idle_timeout(), error);
@@ -280,7 +285,7 @@ where
                             body = body.follow_stream(scan);
                         }
                         // With the gate off, a stream is still followed to its end.
-                        (None, _) if status.is_success() && is_event_stream(&head) => {
+                        (None, _) if status.is_success() && sse => {
                             body = body.follow_stream(Box::new(StreamScan::new()));
                         }
                         _ => {}
@@ -339,7 +344,14 @@ where
     }
 
     /// Whether, and how, the start of this response's body must be read before deciding.
-    pub(super) fn peek_mode(&self, head: &http::response::Parts, said: &Said) -> Option<PeekMode> {
+    /// `sse`: the response is an event stream.
+    #[inline]
+    pub(super) fn peek_mode(
+        &self,
+        head: &http::response::Parts,
+        sse: bool,
+        said: &Said,
+    ) -> Option<PeekMode> {
         if self.resend == Resend::Never {
             // Sent once: read only for the companions' sake.
             return said.wants_body(head).then_some(PeekMode::ErrorBody);
@@ -350,7 +362,7 @@ where
         if !head.status.is_success() {
             return None;
         }
-        if is_event_stream(head) {
+        if sse {
             return self
                 .config
                 .sse_gate

@@ -22,6 +22,7 @@ use crate::error::{BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOu
 use crate::fleet::{GateWait, PastDeadline, Ticket};
 use crate::pipeline::body::{IdleTimer, Peeked, RetryBody};
 use crate::pipeline::{AttemptContext, HttpResponse, Link, ResBodyOf, Said};
+use crate::stream::is_event_stream;
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
@@ -76,6 +77,22 @@ pin_project! {
         },
         Done,
     }
+}
+
+/// Moves the loop to what a decision says, returning when the request ends. A macro, so
+/// that the response goes from the decision to the caller without a copy in between.
+macro_rules! go {
+    ($state:expr, $ctx:expr, $next:expr) => {
+        match $next {
+            Next::Respond(res) => return Poll::Ready(Ok(res)),
+            Next::Fail(e) => return Poll::Ready(Err(e)),
+            Next::Sleep(delay) => {
+                let state = $ctx.sleep(delay);
+                $state.set(state);
+            }
+            Next::Resend => $state.set(State::Ready { watch: None }),
+        }
+    };
 }
 
 /// What every wait of the loop also watches: the caller's cancellation and the request's
@@ -339,7 +356,8 @@ where
                         Ok(res) => {
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
-                            match ctx.peek_mode(&head, &said) {
+                            let sse = is_event_stream(&head);
+                            match ctx.peek_mode(&head, sse, &said) {
                                 Some(mode) => {
                                     let peek = ctx.peek(head, body, mode, said, span);
                                     this.state.set(State::Peeking { peek });
@@ -348,7 +366,7 @@ where
                                 // A response that need not be read is a read of zero bytes.
                                 None => ctx.decide(
                                     head,
-                                    Reply::Untouched(body),
+                                    Reply::Untouched { body, sse },
                                     None,
                                     Peek::Head,
                                     said,
@@ -357,9 +375,7 @@ where
                             }
                         }
                     };
-                    if let Some(out) = ctx.go(this.state.as_mut(), next) {
-                        return Poll::Ready(out);
-                    }
+                    go!(this.state, ctx, next);
                 }
                 StateProj::Peeking { peek } => {
                     let PeekState {
@@ -397,9 +413,7 @@ where
                     this.state.set(State::Done);
                     let reply = Reply::Peeked(peeked, idle);
                     let next = ctx.decide(head, reply, Some(mode), outcome, said, span);
-                    if let Some(out) = ctx.go(this.state.as_mut(), next) {
-                        return Poll::Ready(out);
-                    }
+                    go!(this.state, ctx, next);
                 }
                 StateProj::Sleeping { sleep, watch } => {
                     if let Poll::Ready(stop) = watch.poll(cx) {
@@ -466,26 +480,6 @@ where
     S: Service<Request<ReplayBody>>,
     C: Classify,
 {
-    /// Moves to what `next` says; the output, when the request ends.
-    #[allow(clippy::type_complexity)]
-    fn go<B, R>(
-        &mut self,
-        mut state: Pin<&mut State<S::Future, B, R>>,
-        next: Next<R>,
-    ) -> Option<Result<Response<RetryBody<R>>, Error>>
-    where
-        B: Body,
-        B::Error: Into<BoxError>,
-    {
-        match next {
-            Next::Respond(res) => return Some(Ok(res)),
-            Next::Fail(e) => return Some(Err(e)),
-            Next::Sleep(delay) => state.set(self.sleep(delay)),
-            Next::Resend => state.set(State::Ready { watch: None }),
-        }
-        None
-    }
-
     /// The state that reads the start of a response's body before deciding.
     fn peek<R>(
         &self,
@@ -566,12 +560,9 @@ where
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(self.resend != Resend::Never).into_parts();
         self.attempt_head_timeout = self.head_timeout();
-        let link = {
-            let links = &self.config.links;
-            let link = self.link.get_or_insert_with(|| links.take());
-            link.renew();
-            link.clone()
-        };
+        // What the companions said of the last send was taken when it ended.
+        let links = &self.config.links;
+        let link = self.link.get_or_insert_with(|| links.take()).clone();
         parts.extensions.insert(AttemptContext {
             attempt: self.retries + 1,
             previous: self.previous,

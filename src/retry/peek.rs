@@ -19,8 +19,8 @@ use crate::stream::{CommitReason, ScanError, StreamScan};
 
 /// A response's body while the loop decides: untouched, or with its start read.
 pub(super) enum Reply<R> {
-    /// Nothing was read.
-    Untouched(R),
+    /// Nothing was read; `sse`: the response is an event stream.
+    Untouched { body: R, sse: bool },
     /// The start was read; the idle timer goes on with the body handed to the caller.
     Peeked(Peeked<R>, IdleTimer),
 }
@@ -29,7 +29,7 @@ impl<R> Reply<R> {
     /// What was read of the body; `None` when nothing was.
     pub(super) fn bytes(&self) -> Option<Cow<'_, [u8]>> {
         match self {
-            Reply::Untouched(_) => None,
+            Reply::Untouched { .. } => None,
             Reply::Peeked(peeked, _) => Some(peeked.contiguous()),
         }
     }
@@ -37,20 +37,21 @@ impl<R> Reply<R> {
     /// How many bytes were read.
     pub(super) fn len(&self) -> usize {
         match self {
-            Reply::Untouched(_) => 0,
+            Reply::Untouched { .. } => 0,
             Reply::Peeked(peeked, _) => peeked.len(),
         }
     }
 
     /// The body handed to the caller: the bytes read first, then the rest. `error`: a
     /// failure met while reading, handed up after the bytes that came.
+    #[inline(always)]
     pub(super) fn into_body(
         self,
         idle_timeout: Option<std::time::Duration>,
         error: Option<BoxError>,
     ) -> RetryBody<R> {
         match self {
-            Reply::Untouched(body) => RetryBody::plain(body, idle_timeout),
+            Reply::Untouched { body, .. } => RetryBody::plain(body, idle_timeout),
             Reply::Peeked(mut peeked, idle) => {
                 if let Some(error) = error {
                     peeked.error = Some(error);

@@ -669,3 +669,46 @@ async fn a_token_that_never_seems_to_expire_is_sent_and_kept() {
         ["Bearer tok-forever"; 3]
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_keys_rest_reads_an_http_date_against_the_responses_date() {
+    // The server's clock says 00:00:00 and asks for 00:01:00: a minute of rest, whatever the
+    // host's clock says (months later, which would make the date past and the rest the
+    // default 5 s).
+    let server = MockServer::start(Script::new().when(|req| {
+        (req.headers["x-api-key"] == "sk-a").then(|| {
+            Reply::rate_limited("Thu, 01 Jan 2026 00:01:00 GMT")
+                .header("date", "Thu, 01 Jan 2026 00:00:00 GMT")
+        })
+    }))
+    .await
+    .unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"]).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // Ten seconds on, past the default rest, sk-a still rests.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // A minute on, it is tried again.
+    tokio::time::sleep(Duration::from_secs(51)).await;
+    let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen_header(&server, "x-api-key"),
+        ["sk-a", "sk-b", "sk-b", "sk-a", "sk-b"]
+    );
+}
