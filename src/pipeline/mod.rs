@@ -295,6 +295,27 @@ impl Link {
         }))
     }
 
+    /// Whether this is the only hold on the handle.
+    #[inline(always)]
+    pub(crate) fn is_alone(&self) -> bool {
+        // No `Weak` is ever made of a handle: one strong count is this one.
+        Arc::strong_count(&self.0) == 1
+    }
+
+    /// Whether this is the only hold on the handle: then it is emptied for another request,
+    /// and true.
+    #[inline]
+    pub(crate) fn reuse(&mut self) -> bool {
+        // What was said on its last send was taken when that send ended.
+        if !self.is_alone() {
+            return false;
+        }
+        if !self.0.carried.is_empty() {
+            self.carried_mut().clear();
+        }
+        true
+    }
+
     /// What the next send carries, to change.
     pub(crate) fn carried_mut(&mut self) -> &mut Carried {
         &mut self.unique().carried
@@ -358,13 +379,8 @@ impl Links {
     /// Keeps a finished request's handle for a later one, when no one else holds it.
     #[inline]
     pub(crate) fn give_back(&self, mut link: Link) {
-        // No `Weak` is ever made of a handle: one strong count is this one. What was said on
-        // its last send was taken when that send ended.
-        if Arc::strong_count(&link.0) != 1 {
+        if !link.reuse() {
             return;
-        }
-        if !link.0.carried.is_empty() {
-            link.carried_mut().clear();
         }
         if let Ok(mut links) = self.0.lock() {
             if links.len() < Self::KEPT {

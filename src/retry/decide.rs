@@ -65,7 +65,8 @@ impl<S, C> Drop for Ctx<S, C> {
     // The attempt's future went first (it is dropped before the context), and with it the
     // companions' hold on the link: the next request may have it.
     fn drop(&mut self) {
-        if let Some(link) = self.link.take() {
+        // Usually the service that made the request keeps it for its next one.
+        if let Some(link) = self.link.take().filter(Link::is_alone) {
             self.config.links.give_back(link);
         }
     }

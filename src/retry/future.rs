@@ -158,8 +158,15 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    /// `link`: the handle its sends share with the companion layers, when the service has
+    /// one to give; else it takes one at its first send.
     #[inline]
-    pub(crate) fn new(service: S, config: Arc<Config<C>>, req: Request<B>) -> Self {
+    pub(crate) fn new(
+        service: S,
+        config: Arc<Config<C>>,
+        req: Request<B>,
+        link: Option<Link>,
+    ) -> Self {
         let (parts, body) = req.into_parts();
         let mut policy_override = parts.extensions.get::<RetryPolicy>().cloned();
         if parts.extensions.get::<NoRetry>().is_some() {
@@ -205,7 +212,7 @@ where
                 model: None,
                 gate: Gate::Wait,
                 paced: None,
-                link: None,
+                link,
                 resends: 0,
                 attempt_head_timeout: None,
                 scoped,
