@@ -210,3 +210,42 @@ async fn a_companion_resend_is_the_same_attempt_with_no_sleep() {
     assert!(res.extensions().get::<crate::RetryTrail>().is_none());
     assert_eq!(*inner.seen.lock().unwrap(), [1, 1]);
 }
+
+/// Records, at each send, how many failed attempts the loop carries for the companions.
+#[derive(Clone)]
+struct Counting(Scripted, Arc<Mutex<Vec<usize>>>);
+
+impl Service<Request<ReplayBody>> for Counting {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
+        let link = AttemptContext::link_of(req.extensions()).expect("a link on every send");
+        self.1.lock().unwrap().push(link.carried().failures.len());
+        self.0.call(req)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handle_used_again_by_the_next_request_carries_nothing_of_the_last() {
+    let inner = Scripted::new([status(503), status(200), status(200), status(200)]);
+    let carried = Arc::new(Mutex::new(Vec::new()));
+    let mut svc = RetryLayer::new()
+        .policy(policy())
+        .layer(Counting(inner, carried.clone()));
+    // One failure, carried to the retry; then two requests on the same service and on a
+    // clone of it, each starting with nothing carried.
+    assert_eq!(svc.call(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(svc.call(request()).await.unwrap().status(), StatusCode::OK);
+    let mut clone = svc.clone();
+    assert_eq!(
+        clone.call(request()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(*carried.lock().unwrap(), [0, 1, 0, 0]);
+}
