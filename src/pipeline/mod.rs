@@ -310,6 +310,8 @@ impl Link {
         if !self.is_alone() {
             return false;
         }
+        // The last holder let go with a release (its `Arc` drop): what it wrote is seen here.
+        std::sync::atomic::fence(Ordering::Acquire);
         if !self.0.carried.is_empty() {
             self.carried_mut().clear();
         }
