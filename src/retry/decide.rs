@@ -216,7 +216,7 @@ where
                     _ => FailureClass::Transport,
                 };
                 let error = match &mut reply {
-                    Reply::Peeked(peeked, _) => peeked.error.take(),
+                    Reply::Peeked(peek) => peek.peeked.as_mut().and_then(|p| p.error.take()),
                     Reply::Untouched { .. } => None,
                 };
                 (Classification::retry(class), None, error)

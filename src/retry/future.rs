@@ -63,7 +63,7 @@ pin_project! {
         },
         // The states off the success path are boxed: it keeps the future small on the path
         // every request takes, at the cost of an allocation on the ones few take.
-        Peeking { peek: Box<PeekState<R>> },
+        Peeking { peek: Option<Box<PeekState<R>>> },
         Sleeping {
             sleep: Pin<Box<Sleep>>,
             watch: Watch,
@@ -367,7 +367,7 @@ where
                             match ctx.peek_mode(&head, sse, &said) {
                                 Some(mode) => {
                                     let peek = ctx.peek(head, body, mode, said, span);
-                                    this.state.set(State::Peeking { peek });
+                                    this.state.set(State::Peeking { peek: Some(peek) });
                                     continue;
                                 }
                                 // A response that need not be read is a read of zero bytes.
@@ -386,14 +386,12 @@ where
                 }
                 StateProj::Peeking { peek } => {
                     let PeekState {
-                        head,
                         peeked,
                         mode,
-                        said,
                         idle,
                         deadline,
-                        span,
-                    } = &mut **peek;
+                        ..
+                    } = &mut **peek.as_mut().expect("peek state holds the read");
                     // A body that stalls after its head does not hold the request past its
                     // deadline: the attempt is recorded as it stands, and the request ends.
                     let cut = deadline
@@ -411,14 +409,15 @@ where
                             cx,
                         )),
                     };
-                    let head = head.take().expect("peek state holds the head");
-                    let peeked = peeked.take().expect("peek state holds the body");
-                    let mode = std::mem::replace(mode, super::peek::PeekMode::ErrorBody);
-                    let said = std::mem::take(said);
-                    let idle = std::mem::replace(idle, IdleTimer::new(None));
-                    let span = std::mem::replace(span, Span::none());
+                    let mut peek = peek.take().expect("peek state holds the read");
+                    let head = peek.head.take().expect("peek state holds the head");
+                    let mode = std::mem::replace(&mut peek.mode, super::peek::PeekMode::ErrorBody);
+                    let said = std::mem::take(&mut peek.said);
+                    let span = std::mem::replace(&mut peek.span, Span::none());
                     this.state.set(State::Done);
-                    let reply = Reply::Peeked(peeked, idle);
+                    // The read goes on boxed: the body and its timer are taken out only for
+                    // the caller's body.
+                    let reply = Reply::Peeked(peek);
                     let next = ctx.decide(head, reply, Some(mode), outcome, said, span);
                     go!(this.state, ctx, next);
                 }

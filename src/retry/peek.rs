@@ -21,8 +21,9 @@ use crate::stream::{CommitReason, ScanError, StreamScan};
 pub(super) enum Reply<R> {
     /// Nothing was read; `sse`: the response is an event stream.
     Untouched { body: R, sse: bool },
-    /// The start was read; the idle timer goes on with the body handed to the caller.
-    Peeked(Peeked<R>, IdleTimer),
+    /// The start was read (in the read's state, which holds the body and its idle timer,
+    /// handed on to the caller's body).
+    Peeked(Box<PeekState<R>>),
 }
 
 impl<R> Reply<R> {
@@ -30,7 +31,7 @@ impl<R> Reply<R> {
     pub(super) fn bytes(&self) -> Option<Cow<'_, [u8]>> {
         match self {
             Reply::Untouched { .. } => None,
-            Reply::Peeked(peeked, _) => Some(peeked.contiguous()),
+            Reply::Peeked(peek) => peek.peeked.as_ref().map(Peeked::contiguous),
         }
     }
 
@@ -38,7 +39,7 @@ impl<R> Reply<R> {
     pub(super) fn len(&self) -> usize {
         match self {
             Reply::Untouched { .. } => 0,
-            Reply::Peeked(peeked, _) => peeked.len(),
+            Reply::Peeked(peek) => peek.peeked.as_ref().map_or(0, Peeked::len),
         }
     }
 
@@ -52,7 +53,9 @@ impl<R> Reply<R> {
     ) -> RetryBody<R> {
         match self {
             Reply::Untouched { body, .. } => RetryBody::plain(body, idle_timeout),
-            Reply::Peeked(mut peeked, idle) => {
+            Reply::Peeked(peek) => {
+                let PeekState { peeked, idle, .. } = *peek;
+                let mut peeked = peeked.expect("the read holds the body");
                 if let Some(error) = error {
                     peeked.error = Some(error);
                 }
