@@ -519,6 +519,7 @@ where
     }
 
     /// Builds the response handed to the caller, with the trail when any attempt failed.
+    #[inline(always)]
     fn respond<R>(
         &mut self,
         head: http::response::Parts,
@@ -654,6 +655,7 @@ where
     }
 
     /// Judges one attempt: records a failure, then decides what comes next.
+    #[inline(always)]
     fn judge(
         &mut self,
         c: &Classification,
