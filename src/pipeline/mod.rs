@@ -17,6 +17,11 @@
 //! bodies or inspects errors changes nothing, and the inner service's errors reach the loop
 //! as they were raised.
 //!
+//! A handle is one allocation, made once: a `Retry` service gives the next request the
+//! handle its last request used, once that one is done, and keeps the handles of finished
+//! requests for its clones ([`Links`]), so the path every request takes allocates nothing
+//! for it.
+//!
 //! The machinery the loop and the companions share lives here too, so that none of them
 //! depends on another: the response body the loop returns ([`RetryBody`], with the bounded
 //! peek and the idle timer), the peek limit.
