@@ -16,7 +16,7 @@ use super::layer::{Config, Counted};
 use super::{FallbackMode, ModelUsed, TargetAttempts};
 use crate::auth::TargetCredential;
 use crate::body::ReplayBody;
-use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
+use crate::error::{Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
 use crate::pipeline::{AttemptContext, Companion, Judged, Link, Question};
@@ -62,9 +62,8 @@ impl<F> ResponseFuture<F> {
 impl<F, ResBody, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResBody>, E>>,
-    E: Into<BoxError>,
 {
-    type Output = Result<Response<ResBody>, BoxError>;
+    type Output = Result<Response<ResBody>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -76,8 +75,7 @@ where
         let res = match result {
             Ok(res) => res,
             Err(e) => {
-                let e = e.into();
-                planner.failed_without_response(&*e);
+                planner.failed_without_response();
                 return Poll::Ready(Err(e));
             }
         };
@@ -202,6 +200,26 @@ impl Companion for FallbackJudge {
             }
             // Other triggers at the last target: the policy goes on there.
             (_, None) => Judged::Pass,
+        }
+    }
+}
+
+/// An attempt that failed before a response head, for its target's circuit.
+struct NoResponse {
+    verdict: Verdict,
+    /// A transport failure counts against the circuit (the failure trigger is on).
+    counts: bool,
+}
+
+impl Companion for NoResponse {
+    fn judge(&self, _: &mut Question<'_>) -> Judged {
+        Judged::Pass
+    }
+
+    fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        let final_error = error.downcast_ref::<Error>().is_some_and(Error::is_final);
+        if !final_error {
+            self.verdict.resolve(self.counts);
         }
     }
 }
@@ -415,15 +433,20 @@ impl Planner {
     }
 
     /// The attempt failed before a response head: a transport failure of the target, for the
-    /// failure trigger's circuit; an inner layer's own final error tells it nothing.
-    fn failed_without_response(&mut self, e: &(dyn std::error::Error + 'static)) {
+    /// failure trigger's circuit. The loop is told, which tells the circuit once it has read
+    /// the error: an inner layer's own final error tells it nothing.
+    fn failed_without_response(&mut self) {
         let Some(plan) = self.plan.take() else {
             return;
         };
-        let final_error = e.downcast_ref::<Error>().is_some_and(Error::is_final);
-        if !final_error {
-            plan.verdict
-                .resolve(self.config.triggers.failures.is_some());
+        let failure = NoResponse {
+            verdict: plan.verdict,
+            counts: self.config.triggers.failures.is_some(),
+        };
+        match &self.link {
+            Some(link) => link.ask(failure),
+            // Outside a loop, no one reads the error.
+            None => failure.verdict.resolve(failure.counts),
         }
     }
 

@@ -7,14 +7,13 @@ use tower_service::Service;
 use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
-use crate::error::BoxError;
 
 /// Middleware that moves a request to the next model of a chain once the current one has
 /// been overloaded several times in a row.
 ///
 /// Built by [`ModelFallbackLayer`](super::ModelFallbackLayer); see the
 /// [module docs](crate::fallback). The inner service's responses (with a
-/// [`ModelUsed`](super::ModelUsed) extension) and errors (boxed) pass through untouched; a
+/// [`ModelUsed`](super::ModelUsed) extension) and errors pass through untouched; a
 /// switch of model is asked of the retry loop, which re-sends, or ends the request with
 /// [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered).
 #[derive(Clone, Debug)]
@@ -47,14 +46,13 @@ impl<S> ModelFallback<S> {
 impl<S, ResBody> Service<Request<ReplayBody>> for ModelFallback<S>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
-    S::Error: Into<BoxError>,
 {
     type Response = Response<ResBody>;
-    type Error = BoxError;
+    type Error = S::Error;
     type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner.poll_ready(cx)
     }
 
     #[inline]

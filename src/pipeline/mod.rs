@@ -142,6 +142,11 @@ pub(crate) trait Companion: Send + Sync + 'static {
     /// Decides, from the loop's classification of the response, what the companion asks of
     /// the loop.
     fn judge(&self, question: &mut Question<'_>) -> Judged;
+
+    /// Told, instead of [`judge`](Companion::judge), that the send failed with no response:
+    /// the error as the inner service raised it. What comes next is the loop's alone.
+    /// Defaults to nothing.
+    fn failed(&self, _error: &(dyn std::error::Error + 'static)) {}
 }
 
 /// What a companion is asked about: one response, as the loop classified it.
@@ -429,6 +434,13 @@ impl Said {
     #[inline]
     pub(crate) fn wants_body(&self, head: &http::response::Parts) -> bool {
         self.companions.iter().any(|c| c.wants_body(head))
+    }
+
+    /// Tells each companion, in turn, that the send failed with no response.
+    pub(crate) fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        for companion in &self.companions {
+            companion.failed(error);
+        }
     }
 
     /// Asks each companion in turn, as [`Companion`] says: the first answer other than

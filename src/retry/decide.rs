@@ -307,12 +307,9 @@ where
 
     /// Decides on an attempt that failed without a response head. `level`: how far down a
     /// fallback chain it went.
-    pub(super) fn decide_error<R>(
-        &mut self,
-        e: BoxError,
-        level: Option<u32>,
-        span: Span,
-    ) -> Next<R> {
+    pub(super) fn decide_error<R>(&mut self, e: BoxError, said: Said, span: Span) -> Next<R> {
+        said.failed(&*e);
+        let level = said.level;
         if self.resend == Resend::Never {
             self.paced = None;
             return Next::Fail(finish_error(ErrorKind::Service, e, None));

@@ -359,7 +359,7 @@ where
                     this.state.set(State::Done);
                     let said = ctx.link.as_ref().map(Link::take_said).unwrap_or_default();
                     let next = match result {
-                        Err(e) => ctx.decide_error(e, said.level, span),
+                        Err(e) => ctx.decide_error(e, said, span),
                         Ok(res) => {
                             let (head, body) = res.into_parts();
                             span.record("http.response.status_code", head.status.as_u16());
