@@ -1,6 +1,5 @@
 //! Request bodies that can be sent more than once.
 
-use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -481,25 +480,15 @@ pub(crate) fn request(
     http::Request::from_parts(parts, body)
 }
 
-/// Takes `body` as a [`ReplayBody`] when that is what it is, so a layer inside
-/// [`RetryLayer`](crate::RetryLayer) reuses the bytes it buffered instead of reading them again.
-pub(crate) fn as_replay_body<B: 'static>(body: B) -> Result<ReplayBody, B> {
-    let mut slot = Some(body);
-    match (&mut slot as &mut dyn Any).downcast_mut::<Option<ReplayBody>>() {
-        Some(replay) => Ok(replay.take().expect("the slot was just filled")),
-        None => Err(slot.expect("the slot was just filled")),
-    }
-}
-
 pin_project! {
     /// Turns the caller's body into a [`ReplayBody`], for every layer that may send a request
-    /// more than once (`RetryLayer` and the companion layers alike).
+    /// more than once.
     ///
-    /// A `ReplayBody` is taken as it is (inside `RetryLayer` its clones share one buffer). Any
-    /// other body is read into memory under `limit`: one whose size hint says up front that it
+    /// The body is read into memory under `limit`: one whose size hint says up front that it
     /// is over the limit becomes a one-shot streaming body (not replayable, so sent once), and
     /// one that only turns out too large while it is read fails with
-    /// [`ErrorKind::BodyTooLarge`].
+    /// [`ErrorKind::BodyTooLarge`]. A body of one frame (`Full`, a `ReplayBody`, hyper's small
+    /// bodies) becomes the buffer as it is, with no copy.
     #[project = PrepareProj]
     pub(crate) enum PrepareBody<B>
     where
@@ -525,20 +514,8 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    /// Reads `body` under `limit`.
     pub(crate) fn new(body: B, limit: usize) -> Self {
-        match as_replay_body(body) {
-            Ok(body) => PrepareBody::replay(body),
-            Err(body) => PrepareBody::read(body, limit),
-        }
-    }
-
-    /// A body that is a [`ReplayBody`] already.
-    pub(crate) fn replay(body: ReplayBody) -> Self {
-        PrepareBody::Ready { body: Some(body) }
-    }
-
-    /// Any other body, read under `limit`.
-    pub(crate) fn read(body: B, limit: usize) -> Self {
         match body {
             body if body.size_hint().lower() > limit as u64 => PrepareBody::Ready {
                 body: Some(ReplayBody::streaming(StreamingData { inner: body })),
@@ -935,11 +912,16 @@ mod tests {
     #[tokio::test]
     async fn prepare_reuses_a_replay_body() {
         let original = Bytes::from(vec![3u8; 1024]);
-        let body = PrepareBody::new(ReplayBody::new(original.clone()), 16)
+        let body = PrepareBody::new(ReplayBody::new(original.clone()), 4096)
             .await
             .unwrap();
-        // Under the limit or not, a ReplayBody is taken as is: same buffer, no copy.
+        // A ReplayBody is read like any body of one frame: same buffer, no copy.
         assert_eq!(body.as_bytes().unwrap().as_ptr(), original.as_ptr());
+        // Over the limit, it goes once, as it streams, like any body.
+        let body = PrepareBody::new(ReplayBody::new(original), 16)
+            .await
+            .unwrap();
+        assert!(!body.is_replayable());
     }
 
     #[tokio::test]

@@ -190,7 +190,7 @@ where
         };
         // The chain's service is always ready: the retry loop runs on it directly, with no
         // `Retry` service (whose `call` would clone the chain only to drop the clone).
-        match ResponseFuture::new(svc, self.config.clone(), http_req).await {
+        match ResponseFuture::new(svc, self.config.clone(), http_req, None).await {
             Ok(res) => {
                 use reqwest::ResponseBuilderExt;
                 let (mut parts, body) = res.into_parts();

@@ -4,8 +4,6 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 use super::{Auth, TokenSource};
-use crate::body::DEFAULT_BODY_LIMIT;
-use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`Auth`] to a service: puts a credential on every request, refreshes it once on
 /// `401`, and moves to another key of a pool on a rate limit. See the
@@ -21,8 +19,6 @@ pub struct AuthLayer {
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) source: Arc<dyn TokenSource>,
-    pub(crate) body_limit: usize,
-    pub(crate) peek_limit: usize,
 }
 
 impl AuthLayer {
@@ -31,25 +27,8 @@ impl AuthLayer {
         AuthLayer {
             config: Config {
                 source: Arc::new(source),
-                body_limit: DEFAULT_BODY_LIMIT,
-                peek_limit: DEFAULT_PEEK_LIMIT,
             },
         }
-    }
-
-    /// The most request-body bytes buffered when the layer is used without `RetryLayer`
-    /// around it; a larger body is sent once with its credential and never re-sent.
-    /// Defaults to 32 MiB.
-    pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.config.body_limit = bytes;
-        self
-    }
-
-    /// The most bytes of a `429` body read to tell a rate limit from an exhausted quota, when
-    /// the source rotates keys; the caller still receives the whole body. Defaults to 64 KiB.
-    pub fn peek_limit(mut self, bytes: usize) -> Self {
-        self.config.peek_limit = bytes;
-        self
     }
 }
 
@@ -72,8 +51,6 @@ impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AuthLayer")
             .field("rotates", &self.source.rotates())
-            .field("body_limit", &self.body_limit)
-            .field("peek_limit", &self.peek_limit)
             .finish_non_exhaustive()
     }
 }

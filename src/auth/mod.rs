@@ -34,9 +34,11 @@
 //! | [`ApiKeyPool::new([k1, k2, …])`](ApiKeyPool::new) | keys in turn; on a rate-limit `429` (not an exhausted quota) the key rests for the `Retry-After` and the request is re-sent at once with the next usable key; when every key rests, the `429` goes to `RetryLayer`'s ordinary backoff | a rest without `Retry-After`: 5 s ([`default_rest`](ApiKeyPool::default_rest)); at most a day |
 //! | [`RefreshingToken::new(async closure)`](RefreshingToken::new) | a token fetched by your function, sent as `authorization: Bearer …`: single-flight (1,000 concurrent `401`s → one call, no background task), refreshed ahead of expiry (from the advisory window on, one request refreshes and the rest keep the current token; from the mandatory window on, requests wait); after a failure every waiter gets `TokenRefresh` and refreshing rests; a refresh survives a request that gives up on it | windows 120 s and 30 s ([`refresh_windows`](RefreshingToken::refresh_windows)); rest 1 s doubling to 30 s ([`failure_backoff`](RefreshingToken::failure_backoff)); timeout 30 s ([`refresh_timeout`](RefreshingToken::refresh_timeout)) |
 //!
-//! The layer itself buffers up to 32 MiB of body when it is used on its own
-//! ([`AuthLayer::body_limit`]) and reads up to 64 KiB of a `429` body to tell a rate limit
-//! from an exhausted quota ([`AuthLayer::peek_limit`]). Responses carry
+//! The layer keeps no copy of the request and reads no body: the retry loop around it holds
+//! the request, classifies each answer once (a `429` whose body names an exhausted quota is
+//! [`QuotaExhausted`](crate::classify::FailureClass::QuotaExhausted), and no other key helps), reads
+//! `Retry-After` (an HTTP-date against the response's `Date`) and does the re-send the layer
+//! asks for. Responses carry
 //! [`AuthOutcome { refreshed, rotations, key_index }`](AuthOutcome) when the layer re-sent or
 //! used a pool. No credential appears in a span, an event, an error message or the `Debug`
 //! output of any type of this crate (tested at `TRACE` level across the whole stack).
@@ -98,10 +100,13 @@
 //!
 //! # Where it goes
 //!
-//! Innermost, right above the HTTP client, so that every request that leaves carries the
-//! credential current at that moment. On its own it buffers the body (up to 32 MiB) to be
-//! able to re-send it; a body that could not be buffered is sent once with its credential and
-//! never re-sent.
+//! Inside [`RetryLayer`](crate::RetryLayer), innermost, right above the HTTP client, so that
+//! every request that leaves carries the credential current at that moment. It is built on
+//! `Service<Request<ReplayBody>>`, the request type the loop sends. For credentials without
+//! retries, use `RetryLayer` with the [`never`](crate::RetryPolicy::never) policy: the
+//! refresh after a `401` and the move to another key after a `429` are re-sends of the same
+//! attempt, and still happen. Without a `RetryLayer` at all, the layer puts a credential on
+//! each request and never re-sends.
 
 pub(crate) mod api_key;
 mod credential;

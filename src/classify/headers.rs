@@ -40,6 +40,21 @@ pub(crate) fn parse_retry_after_with(
     when.duration_since(now()).ok()
 }
 
+/// "Now" for an HTTP-date `Retry-After` of a response: the response's own `Date`, so that the
+/// wait is the one the server meant (the host's clock skew neither stretches nor cuts it);
+/// the system clock when it sent none that parses.
+pub(crate) fn server_now(headers: &HeaderMap) -> SystemTime {
+    server_date(headers).unwrap_or_else(SystemTime::now)
+}
+
+/// A response's `Date`, when it sent one that parses.
+pub(crate) fn server_date(headers: &HeaderMap) -> Option<SystemTime> {
+    headers
+        .get(http::header::DATE)
+        .and_then(|d| d.to_str().ok())
+        .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+}
+
 /// Reads `x-should-retry`: `Some(true)` for `true`, `Some(false)` for `false`, `None` for
 /// anything else (including absence).
 pub fn parse_should_retry(headers: &HeaderMap) -> Option<bool> {

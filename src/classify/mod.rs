@@ -6,11 +6,14 @@
 //! `Retry-After` ceiling, the retry count, the deadline, the budget) is decided after it, in the
 //! order listed in [`retry`](crate::retry#after-the-verdict).
 //!
-//! Before any classifier runs, the loop itself ends a request on the final word of a companion
+//! Whatever the classifier says, the loop ends a request on the final word of a companion
 //! layer inside it (a credential that could not be had, a signal to switch models, an overload
 //! from the last model of a fallback chain): see
 //! [`retry`](crate::retry#companion-layers-inside-the-loop). A custom [`Classify`] cannot
-//! retry those.
+//! retry those. The companions read the classifier's verdict: with a custom one, a fallback
+//! trigger counts what it calls an overload or a retryable failure, and a key pool tells an
+//! exhausted quota from a rate limit by what it calls
+//! [`QuotaExhausted`](FailureClass::QuotaExhausted).
 //!
 //! | # | outcome of the attempt | verdict | class |
 //! |---|---|---|---|
@@ -113,7 +116,7 @@ use std::time::{Duration, SystemTime};
 
 use http::StatusCode;
 
-use crate::provider::error_body::{body_signal, BodySignal};
+use crate::provider::error_body::{BodySignal, ErrorBody, Overflow};
 use crate::stream::SseEvent;
 
 /// The HTTP status Anthropic uses for "overloaded".
@@ -198,11 +201,35 @@ impl fmt::Display for FailureClass {
 }
 
 /// The verdict on one attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 pub struct Classification {
     class: Option<FailureClass>,
     retryable: bool,
     retry_after: Option<Duration>,
+    // What the error body says of a context overflow, with its numbers, as the classifier
+    // read it: the companion layers read the body through the classification, parsed once.
+    overflow: Option<Overflow>,
+}
+
+impl PartialEq for Classification {
+    // The verdict: what the body said beside it is not part of it.
+    fn eq(&self, other: &Self) -> bool {
+        self.class == other.class
+            && self.retryable == other.retryable
+            && self.retry_after == other.retry_after
+    }
+}
+
+impl Eq for Classification {}
+
+impl fmt::Debug for Classification {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Classification")
+            .field("class", &self.class)
+            .field("retryable", &self.retryable)
+            .field("retry_after", &self.retry_after)
+            .finish()
+    }
 }
 
 impl Classification {
@@ -212,6 +239,7 @@ impl Classification {
             class: None,
             retryable: false,
             retry_after: None,
+            overflow: None,
         }
     }
 
@@ -221,6 +249,7 @@ impl Classification {
             class: Some(class),
             retryable: true,
             retry_after: None,
+            overflow: None,
         }
     }
 
@@ -230,6 +259,7 @@ impl Classification {
             class: Some(class),
             retryable: false,
             retry_after: None,
+            overflow: None,
         }
     }
 
@@ -257,6 +287,18 @@ impl Classification {
     /// The wait the server asked for, if any.
     pub const fn retry_after(&self) -> Option<Duration> {
         self.retry_after
+    }
+
+    /// The context overflow the error body describes, when the class is
+    /// [`ContextOverflow`](FailureClass::ContextOverflow) and the body was read.
+    pub(crate) fn overflow(&self) -> Option<Overflow> {
+        self.overflow
+    }
+
+    /// Records what the error body says of a context overflow.
+    pub(crate) fn with_overflow(mut self, overflow: Option<Overflow>) -> Self {
+        self.overflow = overflow;
+        self
     }
 }
 
@@ -342,17 +384,12 @@ impl DefaultClassifier {
     }
 
     /// "Now" for an HTTP-date `Retry-After` of this response: the injected clock when there
-    /// is one; else the response's own `Date`, so that the wait is the server's (the host's
-    /// clock skew does not stretch or cut it); else the system clock.
+    /// is one; else the response's own `Date` ([`headers::server_now`]).
     fn now(&self, headers: &http::HeaderMap) -> SystemTime {
-        if let Some(clock) = &self.clock {
-            return clock();
+        match &self.clock {
+            Some(clock) => clock(),
+            None => headers::server_now(headers),
         }
-        headers
-            .get(http::header::DATE)
-            .and_then(|d| d.to_str().ok())
-            .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
-            .unwrap_or_else(SystemTime::now)
     }
 }
 
@@ -383,7 +420,8 @@ impl Classify for DefaultClassifier {
         // `now` is read only for an HTTP-date: the usual seconds cost no clock or `Date` parse.
         let retry_after =
             headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
-        let signal = body.map_or(BodySignal::Other, body_signal);
+        let parsed = body.map(ErrorBody::parse);
+        let signal = parsed.map_or(BodySignal::Other, |b| b.signal);
         let class = match FailureClass::from_status(status) {
             Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
                 if signal == BodySignal::Overloaded =>
@@ -411,7 +449,13 @@ impl Classify for DefaultClassifier {
                 _ => Classification::fail(class),
             },
         };
-        verdict.with_retry_after(retry_after)
+        let overflow = match class {
+            FailureClass::ContextOverflow => parsed.and_then(|b| b.overflow),
+            _ => None,
+        };
+        verdict
+            .with_retry_after(retry_after)
+            .with_overflow(overflow)
     }
 
     fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
@@ -419,23 +463,6 @@ impl Classify for DefaultClassifier {
             return Classification::retry(FailureClass::NotProcessed);
         }
         Classification::retry(FailureClass::Transport)
-    }
-}
-
-/// Whether a response is an overload, as [`DefaultClassifier`] judges it: a 529, or a 4xx or
-/// 5xx whose body says `overloaded_error`.
-pub(crate) fn is_overloaded(status: StatusCode, body: Option<&[u8]>) -> bool {
-    overloaded_by(status, body.map(body_signal))
-}
-
-/// [`is_overloaded`], from the signal of a body already read.
-pub(crate) fn overloaded_by(status: StatusCode, signal: Option<BodySignal>) -> bool {
-    match FailureClass::from_status(status) {
-        Some(FailureClass::Overloaded) => true,
-        Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited) => {
-            signal == Some(BodySignal::Overloaded)
-        }
-        _ => false,
     }
 }
 

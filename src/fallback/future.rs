@@ -3,219 +3,95 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use http::{Request, Response, Uri};
-use http_body::Body;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
 
 use super::circuit::Admit;
-use super::layer::{Config, Counted, Streak};
+use super::layer::{Config, Counted};
 use super::{FallbackMode, ModelUsed, TargetAttempts};
 use crate::auth::TargetCredential;
-use crate::body::{as_replay_body, PrepareBody, ReplayBody};
-use crate::classify::headers::parse_retry_after;
-use crate::classify::{is_overloaded, overloaded_by, FailureClass};
-use crate::error::{BoxError, Error, ErrorKind, FallbackTriggered};
+use crate::body::ReplayBody;
+use crate::error::{Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
 use crate::overflow::OverflowRepaired;
-use crate::pipeline::body::{IdleTimer, PeekHead};
-use crate::pipeline::{Asks, Carried, Failed, Inside, Judge, Judged};
-use crate::pipeline::{AtLevel, AttemptContext, HttpResponse, RetryBody};
-use crate::provider::error_body::{BodySignal, ErrorBody};
-
-use crate::pipeline::ResBodyOf;
+use crate::pipeline::{AttemptContext, Companion, Judged, Link, Question};
 
 pin_project! {
     /// The response future of [`ModelFallback`](super::ModelFallback).
-    pub struct ResponseFuture<S, B>
-    where
-        S: Service<Request<ReplayBody>>,
-        S::Response: HttpResponse,
-        B: Body,
-        B::Error: Into<BoxError>,
-    {
+    pub struct ResponseFuture<F> {
         #[pin]
-        kind: Kind<S, B>,
+        future: F,
+        planner: Planner,
     }
 }
 
-pin_project! {
-    #[project = KindProj]
-    enum Kind<S, B>
-    where
-        S: Service<Request<ReplayBody>>,
-        S::Response: HttpResponse,
-        B: Body,
-        B::Error: Into<BoxError>,
-    {
-        // Inside a retry loop: the model planned, one send, and a question to the loop about
-        // an error response.
-        Loop { #[pin] future: S::Future, planner: Planner },
-        // On its own: it buffers the body and reads error bodies itself.
-        Alone { future: Pin<Box<Alone<S, B>>> },
-    }
-}
-
-impl<S, B> ResponseFuture<S, B>
-where
-    S: Service<Request<ReplayBody>>,
-    S::Response: HttpResponse,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-{
+impl<F> ResponseFuture<F> {
     #[inline]
-    pub(crate) fn new(mut service: S, config: Arc<Config>, req: Request<B>) -> Self {
+    pub(crate) fn new<S>(service: &mut S, config: Arc<Config>, req: Request<ReplayBody>) -> Self
+    where
+        S: Service<Request<ReplayBody>, Future = F>,
+    {
         let (mut parts, body) = req.into_parts();
-        let ctx = parts.extensions.get::<AttemptContext>().copied();
-        let overloads = match ctx {
-            Some(c) => c.consecutive_overloads,
-            None => {
-                config.state.warn_outside_once();
-                0
-            }
-        };
+        let ctx = parts.extensions.get::<AttemptContext>();
+        if ctx.is_none() {
+            config.state.warn_outside_once();
+        }
         let mut planner = Planner {
             config,
-            overloads,
-            inside: None,
+            overloads: ctx.map_or(0, |c| c.consecutive_overloads),
+            link: ctx.and_then(|c| c.link.clone()),
+            head_timeout: ctx.and_then(|c| c.head_timeout),
             plan: None,
             span: Span::none(),
         };
-        let prepare = match (Inside::of(&parts), as_replay_body(body)) {
-            (Inside::Loop(carried), Ok(body)) => {
-                let ctx = ctx.unwrap_or_default();
-                planner.inside = Some(InLoop {
-                    failures: carried.failures,
-                    retry_after_max: ctx.retry_after_max,
-                    head_timeout: ctx.head_timeout,
-                });
-                let body = planner.plan(&mut parts, body);
-                let future = {
-                    let _enter = planner.span.enter();
-                    // The service was polled ready before `call`.
-                    service.call(crate::body::request(parts, body))
-                };
-                return ResponseFuture {
-                    kind: Kind::Loop { future, planner },
-                };
-            }
-            (_, Ok(body)) => PrepareBody::replay(body),
-            (_, Err(body)) => PrepareBody::read(body, planner.config.body_limit),
+        let body = planner.plan(&mut parts, body);
+        let future = {
+            let _enter = planner.span.enter();
+            // The service was polled ready before `call`.
+            service.call(crate::body::request(parts, body))
         };
-        let alone = Alone {
-            state: State::Preparing { prepare },
-            ctx: Ctx {
-                service,
-                parts: Some(parts),
-                p: planner,
-            },
-        };
-        ResponseFuture {
-            kind: Kind::Alone {
-                future: Box::pin(alone),
-            },
-        }
+        ResponseFuture { future, planner }
     }
 }
 
-impl<S, B, ResBody> Future for ResponseFuture<S, B>
+impl<F, ResBody, E> Future for ResponseFuture<F>
 where
-    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
-    S::Error: Into<BoxError>,
-    B: Body,
-    B::Error: Into<BoxError>,
-    ResBody: Body,
-    ResBody::Error: Into<BoxError>,
+    F: Future<Output = Result<Response<ResBody>, E>>,
 {
-    type Output = Result<Response<RetryBody<ResBody>>, BoxError>;
+    type Output = Result<Response<ResBody>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Loop { future, planner } => {
-                let result = {
-                    let _enter = planner.span.enter();
-                    ready!(future.poll(cx))
-                };
-                let (head, body) = match result {
-                    Ok(res) => res.into_parts(),
-                    Err(e) => {
-                        let e = e.into();
-                        // The loop records where the attempt went, so the next one moves on
-                        // from there (a circuit may have sent it past its planned target).
-                        return Poll::Ready(Err(match planner.failed_without_response(&*e) {
-                            Some(level) => Box::new(AtLevel { level, error: e }),
-                            None => e,
-                        }));
-                    }
-                };
-                let judge = planner.judge_for(&head);
-                let mut res = planner.finish(head, RetryBody::plain(body, None), false, None);
-                if let (Ok(res), Some(judge)) = (&mut res, judge) {
-                    Asks::push(res.extensions_mut(), Arc::new(judge));
-                }
-                Poll::Ready(res)
+        let this = self.project();
+        let planner = this.planner;
+        let result = {
+            let _enter = planner.span.enter();
+            ready!(this.future.poll(cx))
+        };
+        let res = match result {
+            Ok(res) => res,
+            Err(e) => {
+                planner.failed_without_response();
+                return Poll::Ready(Err(e));
             }
-            KindProj::Alone { future } => future.as_mut().poll(cx),
+        };
+        if let (Some(judge), Some(link)) = (planner.judge_for(res.status()), &planner.link) {
+            link.ask(judge);
         }
+        Poll::Ready(Ok(planner.finish(res)))
     }
 }
 
-impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
-where
-    S: Service<Request<ReplayBody>>,
-    S::Response: HttpResponse,
-    B: Body,
-    B::Error: Into<BoxError>,
-{
+impl<F> std::fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let planner = match &self.kind {
-            Kind::Loop { planner, .. } => planner,
-            Kind::Alone { future } => &future.ctx.p,
-        };
         f.debug_struct("ResponseFuture")
-            .field("model", &planner.plan.as_ref().map(|p| &p.sent))
+            .field("model", &self.planner.plan.as_ref().map(|p| &p.sent))
             .finish_non_exhaustive()
     }
-}
-
-pin_project! {
-    /// The layer on its own: it buffers the body and reads error bodies itself.
-    struct Alone<S, B>
-    where
-        S: Service<Request<ReplayBody>>,
-        S::Response: HttpResponse,
-        B: Body,
-        B::Error: Into<BoxError>,
-    {
-        #[pin]
-        state: State<S::Future, B, ResBodyOf<S>>,
-        ctx: Ctx<S>,
-    }
-}
-
-pin_project! {
-    #[project = StateProj]
-    enum State<F, B, R>
-    where
-        B: Body,
-        B::Error: Into<BoxError>,
-    {
-        Preparing { #[pin] prepare: PrepareBody<B> },
-        Calling { #[pin] future: F },
-        Peeking { peek: PeekHead<R> },
-        Done,
-    }
-}
-
-struct Ctx<S> {
-    service: S,
-    parts: Option<http::request::Parts>,
-    p: Planner,
 }
 
 /// The target of an attempt, and what the answer means for the next.
@@ -223,8 +99,10 @@ struct Planner {
     config: Arc<Config>,
     /// Overloads in a row just before this attempt, from the retry loop.
     overloads: u32,
-    /// Inside a retry loop: what the loop carried.
-    inside: Option<InLoop>,
+    /// Inside a retry loop: the loop's handle for this send.
+    link: Option<Link>,
+    /// This attempt's head timeout, as the loop armed it.
+    head_timeout: Option<Duration>,
     plan: Option<Plan>,
     span: Span,
 }
@@ -247,88 +125,6 @@ struct Plan {
     sent_at: Option<Instant>,
 }
 
-impl<S, B, ResBody> Future for Alone<S, B>
-where
-    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
-    S::Error: Into<BoxError>,
-    B: Body,
-    B::Error: Into<BoxError>,
-    ResBody: Body,
-    ResBody::Error: Into<BoxError>,
-{
-    type Output = Result<Response<RetryBody<ResBody>>, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
-        let ctx = this.ctx;
-        loop {
-            match this.state.as_mut().project() {
-                StateProj::Preparing { prepare } => {
-                    let body = match ready!(prepare.poll(cx)) {
-                        Ok(body) => body,
-                        Err(e) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(e.into()));
-                        }
-                    };
-                    let mut parts = ctx
-                        .parts
-                        .take()
-                        .expect("the request head is kept until sent");
-                    let body = ctx.p.plan(&mut parts, body);
-                    let future = {
-                        let _enter = ctx.p.span.enter();
-                        ctx.service.call(crate::body::request(parts, body))
-                    };
-                    this.state.set(State::Calling { future });
-                }
-                StateProj::Calling { future } => {
-                    let result = {
-                        let _enter = ctx.p.span.enter();
-                        ready!(future.poll(cx))
-                    };
-                    let (head, body) = match result {
-                        Ok(res) => res.into_parts(),
-                        Err(e) => {
-                            this.state.set(State::Done);
-                            let e = e.into();
-                            ctx.p.failed_without_response(&*e);
-                            return Poll::Ready(Err(e));
-                        }
-                    };
-                    if ctx.p.needs_body(&head) {
-                        this.state.set(State::Peeking {
-                            peek: PeekHead::new(head, body),
-                        });
-                        continue;
-                    }
-                    let overloaded = is_overloaded(head.status, None);
-                    this.state.set(State::Done);
-                    return Poll::Ready(ctx.p.finish(
-                        head,
-                        RetryBody::plain(body, None),
-                        overloaded,
-                        None,
-                    ));
-                }
-                StateProj::Peeking { peek } => {
-                    let (head, peeked) = ready!(peek.poll(cx, ctx.p.config.peek_limit));
-                    let parsed = ErrorBody::parse(&peeked.contiguous());
-                    let overloaded = overloaded_by(head.status, Some(parsed.signal));
-                    this.state.set(State::Done);
-                    return Poll::Ready(ctx.p.finish(
-                        head,
-                        RetryBody::peeked(peeked, IdleTimer::new(None)),
-                        overloaded,
-                        Some(&parsed),
-                    ));
-                }
-                StateProj::Done => panic!("ResponseFuture polled after completion"),
-            }
-        }
-    }
-}
-
 /// Inside a retry loop: at a trigger, the next attempt goes one target down the chain (the
 /// loop carries the failures it is replayed from), the caller is told to switch (signal
 /// mode), or, at the end of the chain after overloads, the response goes back without a
@@ -341,31 +137,16 @@ struct FallbackJudge {
     /// How many fallbacks the request has.
     last: usize,
     next: Option<String>,
-    retry_after_max: Duration,
     verdict: Verdict,
     span: Span,
 }
 
-impl Judge for FallbackJudge {
-    fn wants_body(&self, head: &http::response::Parts) -> bool {
-        !is_overloaded(head.status, None)
-    }
-
-    fn judge(
-        &self,
-        head: &mut http::response::Parts,
-        body: Option<&ErrorBody>,
-        carried: &mut Carried,
-    ) -> Judged {
+impl Companion for FallbackJudge {
+    fn judge(&self, q: &mut Question<'_>) -> Judged {
         let triggers = &self.config.triggers;
-        let failed = failure_of(
-            head,
-            body,
-            carried.keys_resting,
-            self.retry_after_max,
-            self.level,
-        );
-        let (_, mut streak) = triggers.replay(&carried.failures, self.last);
+        // The loop's classification, as the loop will record this failure.
+        let failed = q.failure(Some(self.level as u32));
+        let (_, mut streak) = triggers.replay(&q.carried.failures, self.last);
         let counted = match failed {
             Some(f) => triggers.count(&mut streak, &f),
             None => Counted {
@@ -412,7 +193,7 @@ impl Judge for FallbackJudge {
                     requested = self.requested.as_str(),
                     "every model of the fallback chain is overloaded"
                 );
-                if let Some(used) = head.extensions.get_mut::<ModelUsed>() {
+                if let Some(used) = q.head.extensions.get_mut::<ModelUsed>() {
                     used.chain_exhausted = true;
                 }
                 Judged::Keep
@@ -423,34 +204,24 @@ impl Judge for FallbackJudge {
     }
 }
 
-/// The failure an error response is, as the fallback triggers see it; `None` for a response
-/// that is no failure.
-fn failure_of(
-    head: &http::response::Parts,
-    body: Option<&ErrorBody>,
-    keys_resting: bool,
-    retry_after_max: Duration,
-    level: usize,
-) -> Option<Failed> {
-    let class = if overloaded_by(head.status, body.map(|b| b.signal)) {
-        FailureClass::Overloaded
-    } else if body.is_some_and(|b| b.signal == BodySignal::QuotaExhausted) {
-        FailureClass::QuotaExhausted
-    } else if body.is_some_and(|b| b.signal == BodySignal::ContextOverflow) {
-        FailureClass::ContextOverflow
-    } else {
-        FailureClass::from_status(head.status)?
-    };
-    let unwaitable = class == FailureClass::RateLimited
-        && (keys_resting
-            || parse_retry_after(&head.headers, SystemTime::now())
-                .is_some_and(|ra| ra > retry_after_max));
-    Some(Failed {
-        class,
-        timed_out: class == FailureClass::Timeout,
-        unwaitable,
-        level: Some(level as u32),
-    })
+/// An attempt that failed before a response head, for its target's circuit.
+struct NoResponse {
+    verdict: Verdict,
+    /// A transport failure counts against the circuit (the failure trigger is on).
+    counts: bool,
+}
+
+impl Companion for NoResponse {
+    fn judge(&self, _: &mut Question<'_>) -> Judged {
+        Judged::Pass
+    }
+
+    fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        let final_error = error.downcast_ref::<Error>().is_some_and(Error::is_final);
+        if !final_error {
+            self.verdict.resolve(self.counts);
+        }
+    }
 }
 
 /// What an attempt tells its target's circuit, once: a probe that ends with no answer frees
@@ -507,14 +278,6 @@ impl Drop for Verdict {
     }
 }
 
-/// What a send inside a retry loop knows from the loop.
-struct InLoop {
-    /// Every failed attempt of the request so far.
-    failures: Vec<Failed>,
-    retry_after_max: Duration,
-    head_timeout: Option<Duration>,
-}
-
 impl Planner {
     /// The target after the one `plan` sends to, if the chain goes on.
     fn next(&self, plan: &Plan) -> Option<&str> {
@@ -564,8 +327,8 @@ impl Planner {
         let last = fallbacks.len();
         let mut wanted = 0;
         if config.mode == FallbackMode::Rewrite {
-            if let Some(inside) = &self.inside {
-                wanted = config.triggers.replay(&inside.failures, last).0;
+            if let Some(link) = &self.link {
+                wanted = config.triggers.replay(&link.carried().failures, last).0;
             }
             if config.sticky.is_some() {
                 wanted = wanted.max(config.state.level(&requested, Instant::now()));
@@ -632,6 +395,10 @@ impl Planner {
             );
         }
         let sent_at = verdict.index.map(|_| Instant::now());
+        // Where this send goes, for the loop's record of it, whatever its answer or error.
+        if let Some(link) = &self.link {
+            link.record_level(level as u32);
+        }
         self.plan = Some(Plan {
             requested,
             sent,
@@ -645,18 +412,12 @@ impl Planner {
         body
     }
 
-    /// Whether this attempt's overload would reach the threshold, alone (without a loop,
-    /// there are no earlier attempts).
-    fn reaches_threshold(&self) -> bool {
-        self.config.triggers.overloads == 1
-    }
-
     /// Inside a retry loop: the question about an error response.
-    fn judge_for(&mut self, head: &http::response::Parts) -> Option<FallbackJudge> {
-        if !(head.status.is_client_error() || head.status.is_server_error()) {
+    fn judge_for(&mut self, status: http::StatusCode) -> Option<FallbackJudge> {
+        if !(status.is_client_error() || status.is_server_error()) {
             return None;
         }
-        let retry_after_max = self.inside.as_ref()?.retry_after_max;
+        self.link.as_ref()?;
         let next = self.next(self.plan.as_ref()?).map(str::to_owned);
         let plan = self.plan.as_mut()?;
         Some(FallbackJudge {
@@ -666,137 +427,64 @@ impl Planner {
             level: plan.level,
             last: plan.last,
             next,
-            retry_after_max,
             verdict: plan.verdict.take(),
             span: self.span.clone(),
         })
     }
 
     /// The attempt failed before a response head: a transport failure of the target, for the
-    /// failure trigger's circuit; an inner layer's own final error tells it nothing.
-    /// Returns the level the attempt was sent at, when a plan sent it.
-    fn failed_without_response(&mut self, e: &(dyn std::error::Error + 'static)) -> Option<u32> {
-        let plan = self.plan.take()?;
-        let final_error = e.downcast_ref::<Error>().is_some_and(Error::is_final);
-        if !final_error {
-            plan.verdict
-                .resolve(self.config.triggers.failures.is_some());
-        }
-        Some(plan.level as u32)
-    }
-
-    /// Whether the body must be read to tell an overload that matters.
-    fn needs_body(&self, head: &http::response::Parts) -> bool {
-        self.plan.is_some()
-            && (self.reaches_threshold()
-                || self
-                    .plan
-                    .as_ref()
-                    .is_some_and(|p| p.verdict.index.is_some()))
-            && !is_overloaded(head.status, None)
-            && (head.status.is_client_error() || head.status.is_server_error())
-    }
-
-    fn finish<R>(
-        &mut self,
-        head: http::response::Parts,
-        body: RetryBody<R>,
-        overloaded: bool,
-        error_body: Option<&ErrorBody>,
-    ) -> Result<Response<RetryBody<R>>, BoxError> {
+    /// failure trigger's circuit. The loop is told, which tells the circuit once it has read
+    /// the error: an inner layer's own final error tells it nothing.
+    fn failed_without_response(&mut self) {
         let Some(plan) = self.plan.take() else {
-            return Ok(Response::from_parts(head, body));
+            return;
         };
-        // On its own, the layer judges the response itself; inside a loop, the judge has the
-        // circuit's verdict on an error response, and anything else is an answer.
-        if self.inside.is_none() && (head.status.is_client_error() || head.status.is_server_error())
-        {
-            let failed = match overloaded {
-                true => Some(Failed {
-                    class: FailureClass::Overloaded,
-                    timed_out: false,
-                    unwaitable: false,
-                    level: None,
-                }),
-                false => failure_of(&head, error_body, false, Duration::MAX, plan.level),
-            };
-            let of_trigger_class = failed.is_some_and(|f| {
-                self.config
-                    .triggers
-                    .count(&mut Streak::default(), &f)
-                    .of_trigger_class
-            });
-            plan.verdict.resolve(of_trigger_class);
-        } else {
-            plan.verdict.resolve(false);
+        let failure = NoResponse {
+            verdict: plan.verdict,
+            counts: self.config.triggers.failures.is_some(),
+        };
+        match &self.link {
+            Some(link) => link.ask(failure),
+            // Outside a loop, no one reads the error.
+            None => failure.verdict.resolve(failure.counts),
         }
-        let mut exhausted = false;
-        if overloaded && self.reaches_threshold() {
-            let next = self.next(&plan).map(str::to_owned);
-            match (self.config.mode, &next) {
-                (FallbackMode::Signal, Some(next)) => {
-                    tracing::info!(
-                        parent: &self.span,
-                        from = plan.sent.as_str(),
-                        to = next.as_str(),
-                        consecutive_overloads = self.overloads + 1,
-                        "model overloaded; signalling the caller to fall back"
-                    );
-                    let signal = FallbackTriggered::new(plan.sent.clone(), next.as_str());
-                    return Err(Error::new(ErrorKind::FallbackTriggered)
-                        .with_source(signal)
-                        .into());
-                }
-                (FallbackMode::Rewrite, Some(next)) => {
-                    if let Some(cooldown) = self.config.sticky {
-                        let until = crate::time::after(Instant::now(), cooldown);
-                        self.config
-                            .state
-                            .raise(&plan.requested, plan.level + 1, until);
-                    }
-                    tracing::debug!(
-                        parent: &self.span,
-                        from = plan.sent.as_str(),
-                        to = next.as_str(),
-                        "model overloaded; the next attempt falls back"
-                    );
-                }
-                (_, None) => {
-                    exhausted = true;
-                    tracing::warn!(
-                        parent: &self.span,
-                        model = plan.sent.as_str(),
-                        requested = plan.requested.as_str(),
-                        "every model of the fallback chain is overloaded"
-                    );
-                }
-            }
-        }
+    }
+
+    /// The response handed back, with the model that served it. A response the loop is
+    /// asked about (an error) leaves the circuit's verdict to the question; anything else is
+    /// an answer.
+    fn finish<R>(&mut self, mut res: Response<R>) -> Response<R> {
+        let Some(plan) = self.plan.take() else {
+            return res;
+        };
+        plan.verdict.resolve(false);
         self.span
             .record("gen_ai.response.model", plan.sent.as_str());
         let attempts = self.attempts(&plan);
         // A layer inside (ContextOverflowLayer's context-window fallback) may have re-sent
         // the request to another model: the response came from that one.
-        let model = match head.extensions.get::<OverflowRepaired>() {
+        let model = match res.extensions().get::<OverflowRepaired>() {
             Some(OverflowRepaired::Model { to, .. }) => to.clone(),
             _ => plan.sent.clone(),
         };
-        let mut res = Response::from_parts(head, body);
         res.extensions_mut().insert(ModelUsed {
             model,
-            requested: plan.requested.clone(),
-            chain_exhausted: exhausted,
-            upstream: plan.upstream.clone(),
+            requested: plan.requested,
+            chain_exhausted: false,
+            upstream: plan.upstream,
             attempts,
-            level: plan.level as u32,
         });
-        Ok(res)
+        res
     }
 
     /// Every target the request went to, with its number of attempts, when it took more than
     /// one attempt; none (no allocation) for a request answered by its first.
     fn attempts(&self, plan: &Plan) -> Vec<TargetAttempts> {
-        let Some(inside) = self.inside.as_ref().filter(|i| !i.failures.is_empty()) else {
+        let Some(link) = self
+            .link
+            .as_ref()
+            .filter(|l| !l.carried().failures.is_empty())
+        else {
             return Vec::new();
         };
         let mut out: Vec<TargetAttempts> = Vec::new();
@@ -829,7 +517,7 @@ impl Planner {
         };
         self.config
             .triggers
-            .replay_each(&inside.failures, plan.last, &mut count);
+            .replay_each(&link.carried().failures, plan.last, &mut count);
         count(plan.level);
         out
     }
@@ -838,11 +526,11 @@ impl Planner {
 impl Drop for Planner {
     // The loop dropped the attempt in flight: at its head timeout, the target timed out.
     fn drop(&mut self) {
-        let (Some(plan), Some(inside)) = (self.plan.take(), self.inside.as_ref()) else {
+        let (Some(plan), Some(_)) = (self.plan.take(), self.link.as_ref()) else {
             return;
         };
         let triggers = &self.config.triggers;
-        let (Some(sent_at), Some(timeout)) = (plan.sent_at, inside.head_timeout) else {
+        let (Some(sent_at), Some(timeout)) = (plan.sent_at, self.head_timeout) else {
             return;
         };
         if (triggers.timeouts.is_some() || triggers.failures.is_some())

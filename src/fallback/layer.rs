@@ -9,11 +9,9 @@ use tower_layer::Layer;
 
 use super::circuit::{Circuit, CircuitState, TargetCircuit};
 use super::{FallbackMode, ModelFallback, Target};
-use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::FailureClass;
 use crate::error::ConfigError;
 use crate::pipeline::Failed;
-use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`ModelFallback`] to a service: after a number of consecutive overloads, the next
 /// attempt goes to the next model of a chain. See the [module docs](crate::fallback).
@@ -34,8 +32,6 @@ pub(crate) struct Config {
     pub(crate) circuits: Arc<[TargetCircuit]>,
     pub(crate) sticky: Option<Duration>,
     pub(crate) mode: FallbackMode,
-    pub(crate) body_limit: usize,
-    pub(crate) peek_limit: usize,
     pub(crate) state: Arc<Sticky>,
 }
 
@@ -64,8 +60,6 @@ impl ModelFallbackLayer {
                 circuits: circuits.into(),
                 sticky: None,
                 mode: FallbackMode::Rewrite,
-                body_limit: DEFAULT_BODY_LIMIT,
-                peek_limit: DEFAULT_PEEK_LIMIT,
                 state: Arc::new(Sticky::default()),
             },
         })
@@ -165,20 +159,6 @@ impl ModelFallbackLayer {
         self.config.mode = mode;
         self
     }
-
-    /// The most request-body bytes buffered when the layer is used without `RetryLayer`
-    /// around it; a larger body passes through untouched. Defaults to 32 MiB.
-    pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.config.body_limit = bytes;
-        self
-    }
-
-    /// The most bytes of an error body read to tell whether it is an overload; the caller
-    /// still receives the whole body. Defaults to 64 KiB.
-    pub fn peek_limit(mut self, bytes: usize) -> Self {
-        self.config.peek_limit = bytes;
-        self
-    }
 }
 
 impl<S> Layer<S> for ModelFallbackLayer {
@@ -203,8 +183,6 @@ impl fmt::Debug for Config {
             .field("circuit", &self.circuit)
             .field("sticky", &self.sticky)
             .field("mode", &self.mode)
-            .field("body_limit", &self.body_limit)
-            .field("peek_limit", &self.peek_limit)
             .finish()
     }
 }
@@ -285,25 +263,12 @@ pub(crate) struct Counted {
     pub(crate) of_trigger_class: bool,
 }
 
-/// Whether a class is a failure worth retrying, and so counts for the failure trigger.
-fn retryable(class: FailureClass) -> bool {
-    matches!(
-        class,
-        FailureClass::Transport
-            | FailureClass::Timeout
-            | FailureClass::Conflict
-            | FailureClass::RateLimited
-            | FailureClass::Overloaded
-            | FailureClass::Server
-            | FailureClass::TruncatedEnvelope
-    )
-}
-
 impl Triggers {
     /// Counts `f` into `streak`.
     pub(crate) fn count(&self, streak: &mut Streak, f: &Failed) -> Counted {
         let overloaded = f.class == FailureClass::Overloaded;
-        let retryable = retryable(f.class);
+        // The loop's classification: a custom classifier's verdict counts as it says.
+        let retryable = f.retryable;
         streak.overloads = if overloaded { streak.overloads + 1 } else { 0 };
         streak.failures = if retryable { streak.failures + 1 } else { 0 };
         streak.timeouts = if f.timed_out { streak.timeouts + 1 } else { 0 };
@@ -406,8 +371,20 @@ mod tests {
     use super::*;
 
     fn failed(class: FailureClass) -> Failed {
+        // As the default classifier judges each class.
+        let retryable = matches!(
+            class,
+            FailureClass::Transport
+                | FailureClass::Timeout
+                | FailureClass::Conflict
+                | FailureClass::RateLimited
+                | FailureClass::Overloaded
+                | FailureClass::Server
+                | FailureClass::TruncatedEnvelope
+        );
         Failed {
             class,
+            retryable,
             timed_out: false,
             unwaitable: false,
             level: None,

@@ -12,9 +12,14 @@
 //! can also be another upstream with its own credential ([`Target`]), and each target can
 //! have a [`Circuit`] shared by every request of the layer.
 //!
-//! Outside `RetryLayer` (or with no `RetryLayer` at all) the layer sees no `AttemptContext`,
-//! so it cannot count a request's consecutive overloads and does not fall back as configured;
-//! it logs a warning the first time, once per layer.
+//! The triggers and circuits read the loop's
+//! [`Classification`](crate::classify::Classification) of each attempt, so a custom
+//! [`Classify`](crate::classify::Classify) changes failover as it changes retries. The layer works only inside `RetryLayer`: a step down the chain is the loop's
+//! next attempt. With the [`never`](crate::RetryPolicy::never) policy there is no next
+//! attempt, but the circuits still send each request past a target whose circuit is open,
+//! and they still learn from its one attempt. Outside `RetryLayer` the layer sees no
+//! `AttemptContext`, so it cannot count a request's consecutive overloads and does not fall
+//! back as configured; it logs a warning the first time, once per layer.
 //!
 //! When a [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside this one re-sends a
 //! request to its context-window fallback, [`ModelUsed::model`] names that model.
@@ -85,8 +90,7 @@
 //! | circuit per target | none | [`circuit(Circuit)`](ModelFallbackLayer::circuit); state through [`circuit_states`](ModelFallbackLayer::circuit_states) |
 //! | sticky | off: every request starts on its own model | [`sticky(cooldown)`](ModelFallbackLayer::sticky): later requests for that model start at the fallback until the cooldown ends |
 //! | mode | [`FallbackMode::Rewrite`]: rewrite the body's `"model"` | [`mode(FallbackMode::Signal)`](ModelFallbackLayer::mode): end the request with [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered) |
-//! | body buffer, on its own | 32 MiB | [`body_limit`](ModelFallbackLayer::body_limit) |
-//! | error body read to tell an overload | 64 KiB | [`peek_limit`](ModelFallbackLayer::peek_limit) |
+//! | error body read to tell an overload | 64 KiB | the `RetryLayer`'s [`peek_limit`](crate::RetryLayer::peek_limit) |
 //!
 //! Every setting is a plain number, duration, flag or URL, so a configuration file maps onto
 //! the builder one key to one call.
@@ -239,9 +243,6 @@
 //! two-model chain, the last model gets its first attempt on the 7th try. Leave
 //! [`RetryPolicy::max_consecutive_overloads`](crate::RetryPolicy::max_consecutive_overloads)
 //! unset, or set it above `threshold × (chain length + 1)`.
-//!
-//! On its own, without `RetryLayer` around it, the layer sees every request as a first attempt:
-//! only a sticky fallback set by other requests, and the circuits, apply.
 
 mod circuit;
 mod future;
@@ -292,8 +293,6 @@ pub struct ModelUsed {
     /// took, when the request took more than one attempt; empty when its first attempt
     /// answered (one attempt, at `model`).
     pub attempts: Vec<TargetAttempts>,
-    /// How far down the chain `model` is, for the retry loop's record of the attempt.
-    pub(crate) level: u32,
 }
 
 /// How many attempts of a request went to one target, in [`ModelUsed::attempts`].

@@ -2,22 +2,20 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use http_body::Body;
 use tower_service::Service;
 
 use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
-use crate::error::BoxError;
-use crate::pipeline::RetryBody;
 
 /// Middleware that moves a request to the next model of a chain once the current one has
 /// been overloaded several times in a row.
 ///
 /// Built by [`ModelFallbackLayer`](super::ModelFallbackLayer); see the
-/// [module docs](crate::fallback). Errors of the inner service pass through untouched; the
-/// layer's own ([`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered), and
-/// body errors when it buffers the body itself) are an [`Error`](crate::Error), boxed.
+/// [module docs](crate::fallback). The inner service's responses (with a
+/// [`ModelUsed`](super::ModelUsed) extension) and errors pass through untouched; a
+/// switch of model is asked of the retry loop, which re-sends, or ends the request with
+/// [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered).
 #[derive(Clone, Debug)]
 pub struct ModelFallback<S> {
     inner: S,
@@ -45,28 +43,20 @@ impl<S> ModelFallback<S> {
     }
 }
 
-impl<S, B, ResBody> Service<Request<B>> for ModelFallback<S>
+impl<S, ResBody> Service<Request<ReplayBody>> for ModelFallback<S>
 where
-    S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone,
-    S::Error: Into<BoxError>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-    ResBody: Body,
-    ResBody::Error: Into<BoxError>,
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
 {
-    type Response = Response<RetryBody<ResBody>>;
-    type Error = BoxError;
-    type Future = ResponseFuture<S, B>;
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner.poll_ready(cx)
     }
 
     #[inline]
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(inner, self.config.clone(), req)
+    fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
+        ResponseFuture::new(&mut self.inner, self.config.clone(), req)
     }
 }

@@ -779,9 +779,7 @@ impl Fleet {
             if gate.config.has_wall_clock() {
                 None
             } else {
-                h.get(http::header::DATE)
-                    .and_then(|d| d.to_str().ok())
-                    .and_then(|d| httpdate::parse_http_date(d.trim()).ok())
+                crate::classify::headers::server_date(h)
             }
         };
         if status == StatusCode::TOO_MANY_REQUESTS.as_u16()

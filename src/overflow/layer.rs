@@ -4,8 +4,6 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 use super::ContextOverflow;
-use crate::body::DEFAULT_BODY_LIMIT;
-use crate::pipeline::DEFAULT_PEEK_LIMIT;
 
 /// Applies [`ContextOverflow`] to a service: a request whose `max_tokens` does not fit
 /// the context window is re-sent once with a smaller one. See the
@@ -21,8 +19,6 @@ pub(crate) struct Config {
     pub(crate) floor: u64,
     pub(crate) margin: u64,
     pub(crate) context_window_fallback: Option<String>,
-    pub(crate) body_limit: usize,
-    pub(crate) peek_limit: usize,
 }
 
 impl ContextOverflowLayer {
@@ -33,8 +29,6 @@ impl ContextOverflowLayer {
                 floor: 3_000,
                 margin: 1_000,
                 context_window_fallback: None,
-                body_limit: DEFAULT_BODY_LIMIT,
-                peek_limit: DEFAULT_PEEK_LIMIT,
             },
         }
     }
@@ -58,20 +52,6 @@ impl ContextOverflowLayer {
     /// by lowering `max_tokens` (the prompt itself is too long). Defaults to none.
     pub fn context_window_fallback(mut self, model: impl Into<String>) -> Self {
         self.config.context_window_fallback = Some(model.into());
-        self
-    }
-
-    /// The most request-body bytes buffered when the layer is used without `RetryLayer`
-    /// around it; a larger body passes through once, untouched. Defaults to 32 MiB.
-    pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.config.body_limit = bytes;
-        self
-    }
-
-    /// The most bytes of a `400` or `413` body read to recognise an overflow; the caller still
-    /// receives the whole body. Defaults to 64 KiB.
-    pub fn peek_limit(mut self, bytes: usize) -> Self {
-        self.config.peek_limit = bytes;
         self
     }
 }
@@ -102,8 +82,6 @@ impl fmt::Debug for Config {
             .field("floor", &self.floor)
             .field("margin", &self.margin)
             .field("context_window_fallback", &self.context_window_fallback)
-            .field("body_limit", &self.body_limit)
-            .field("peek_limit", &self.peek_limit)
             .finish()
     }
 }

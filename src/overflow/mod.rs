@@ -72,16 +72,19 @@
 //! | `floor`: the least `max_tokens` a repair sends | 3,000 tokens | [`floor`](ContextOverflowLayer::floor) |
 //! | `margin`: tokens kept free below the limit | 1,000 tokens | [`margin`](ContextOverflowLayer::margin) |
 //! | model tried once when the prompt alone is too long | none | [`context_window_fallback`](ContextOverflowLayer::context_window_fallback) |
-//! | body buffer, on its own | 32 MiB | [`body_limit`](ContextOverflowLayer::body_limit) |
-//! | `400` / `413` body read to recognise an overflow | 64 KiB | [`peek_limit`](ContextOverflowLayer::peek_limit) |
+//! | `400` / `413` body read to recognise an overflow | 64 KiB | the `RetryLayer`'s [`peek_limit`](crate::RetryLayer::peek_limit) |
 //!
 //! # Where it goes
 //!
 //! Inside [`RetryLayer`](crate::RetryLayer), which does not retry these `400`s itself: the
-//! repair is part of the attempt that met the overflow, not a new attempt. On its own it
-//! buffers the body (up to 32 MiB); a body that could not be buffered passes through
-//! untouched and is never re-sent, and so does one that is not a JSON object with a numeric
-//! `max_tokens`.
+//! repair is part of the attempt that met the overflow, not a new attempt. The loop reads the
+//! error body and classifies it once (an overflow is the class
+//! [`ContextOverflow`](crate::classify::FailureClass::ContextOverflow), with its numbers) and does the
+//! re-send the layer asks for. A body that the loop could not buffer, or that is not a JSON
+//! object with a numeric `max_tokens`, is never repaired. For a repair without retries, use
+//! `RetryLayer` with the [`never`](crate::RetryPolicy::never) policy: the repair is a re-send
+//! of the same attempt, and still happens. Without a `RetryLayer` at all, requests pass
+//! through untouched.
 
 mod future;
 pub(crate) mod layer;

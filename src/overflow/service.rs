@@ -2,23 +2,19 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use http_body::Body;
 use tower_service::Service;
 
 use super::future::ResponseFuture;
 use super::layer::Config;
 use crate::body::ReplayBody;
-use crate::error::BoxError;
-use crate::pipeline::RetryBody;
 
 /// Middleware that re-sends, once and at once, a request whose `max_tokens` does not fit the
 /// context window, with a smaller `max_tokens`.
 ///
 /// Built by [`ContextOverflowLayer`](super::ContextOverflowLayer); see the
 /// [module docs](crate::overflow). An overflow it cannot repair goes back with a
-/// [`ContextWindowExceeded`](super::ContextWindowExceeded) extension. Errors of the inner
-/// service pass through untouched; the layer's own (body errors when it buffers the body itself) are an
-/// [`Error`](crate::Error), boxed.
+/// [`ContextWindowExceeded`](super::ContextWindowExceeded) extension. The inner service's
+/// responses and errors pass through untouched: the repair is the retry loop's re-send.
 #[derive(Clone, Debug)]
 pub struct ContextOverflow<S> {
     inner: S,
@@ -46,28 +42,20 @@ impl<S> ContextOverflow<S> {
     }
 }
 
-impl<S, B, ResBody> Service<Request<B>> for ContextOverflow<S>
+impl<S, ResBody> Service<Request<ReplayBody>> for ContextOverflow<S>
 where
-    S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone,
-    S::Error: Into<BoxError>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-    ResBody: Body,
-    ResBody::Error: Into<BoxError>,
+    S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
 {
-    type Response = Response<RetryBody<ResBody>>;
-    type Error = BoxError;
-    type Future = ResponseFuture<S, B>;
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner.poll_ready(cx)
     }
 
     #[inline]
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(inner, self.config.clone(), req)
+    fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
+        ResponseFuture::new(&mut self.inner, self.config.clone(), req)
     }
 }

@@ -109,45 +109,6 @@ pub(crate) struct Peeked<B> {
     len: usize,
 }
 
-/// A response whose error body a companion layer reads (up to a limit) before it decides:
-/// the state every companion's future is in between the head and its decision.
-pub(crate) struct PeekHead<B> {
-    head: Option<http::response::Parts>,
-    peeked: Option<Peeked<B>>,
-}
-
-impl<B> PeekHead<B> {
-    pub(crate) fn new(head: http::response::Parts, body: B) -> Self {
-        PeekHead {
-            head: Some(head),
-            peeked: Some(Peeked::new(body)),
-        }
-    }
-}
-
-impl<B> PeekHead<B>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    /// Ready with the head and what was read once `limit` bytes are held or the body ended.
-    /// Polled again after that, it panics.
-    pub(crate) fn poll(
-        &mut self,
-        cx: &mut Context<'_>,
-        limit: usize,
-    ) -> Poll<(http::response::Parts, Peeked<B>)> {
-        let peeked = self
-            .peeked
-            .as_mut()
-            .expect("PeekHead polled after it was ready");
-        std::task::ready!(peeked.poll_fill(cx, limit));
-        let head = self.head.take().expect("PeekHead holds the head");
-        let peeked = self.peeked.take().expect("PeekHead holds the body");
-        Poll::Ready((head, peeked))
-    }
-}
-
 /// What one read of a [`Peeked`] body produced.
 pub(crate) enum Read {
     /// A data frame, now the last of `frames`.

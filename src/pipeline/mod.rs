@@ -1,52 +1,68 @@
-//! One attempt pipeline: how the companion layers inside a [`RetryLayer`](crate::RetryLayer)
-//! leave their decisions to its loop instead of keeping a request of their own.
+//! The contract between the retry loop and the companion layers inside it.
 //!
-//! Outside a retry loop, each companion buffers the body, keeps a copy of the request and
-//! reads error bodies itself, so that it can re-send on its own. Inside one, the loop already
-//! holds the request, reads the error body once and classifies it, so a companion keeps
-//! nothing: it edits the request on the way in, and on the way out it asks the loop, through
-//! an [`Asks`] extension on the response, what it would have done itself:
+//! [`AuthLayer`](crate::AuthLayer), [`ModelFallbackLayer`](crate::ModelFallbackLayer) and
+//! [`ContextOverflowLayer`](crate::ContextOverflowLayer) live inside a
+//! [`RetryLayer`](crate::RetryLayer) and nowhere else: the loop holds the request, reads the
+//! error body once, classifies it once and does every send. A companion keeps nothing of its
+//! own. It edits each send on its way in, from what the loop carries for it, and for an
+//! answer it has a say on it leaves a [`Companion`] on the attempt, which the loop asks once
+//! it has classified the answer. That trait is the whole contract; its docs hold the one
+//! ordering rule.
 //!
-//! - [`Judged::Resend`]: send the same attempt again, at once (a fresh credential, the next
-//!   pool key, a repaired `max_tokens`). Not a retry: no backoff, no budget, no new attempt
-//!   number, and the fleet does not learn from the answer it replaces.
-//! - [`Judged::Final`]: end the request with this error (a signal to switch models).
-//! - [`Judged::Keep`]: return this response without a retry, whatever the classifier says
-//!   (an overload from the last model of a fallback chain).
-//! - [`Judged::Step`]: the next attempt goes one target further down the fallback chain, so
-//!   the failing target's `Retry-After` does not apply to it.
+//! Every send carries an [`AttemptContext`], and in it the [`Link`]: the one handle the loop
+//! and the companions share for that send. The loop puts in it what it carries from one send
+//! to the next ([`Carried`]); a companion puts in it its questions and, for
+//! `ModelFallbackLayer`, how far down its chain it sent the attempt. The link travels with
+//! the request, not with the response or the error, so a layer placed in between that maps
+//! bodies or inspects errors changes nothing, and the inner service's errors reach the loop
+//! as they were raised.
 //!
-//! What the loop carries from one send to the next for them travels in [`Carried`], a
-//! request extension set only once there is something to carry: the success path of a
-//! request sets none. It includes every failed attempt of the request ([`Failed`]), so that
-//! a layer learns about failures it never saw a response for (a transport error, a head
-//! timeout, an idle stall after a `200`) and can decide from them at the next attempt.
+//! A handle is one allocation, made once: a `Retry` service gives the next request the
+//! handle its last request used, once that one is done, and keeps the handles of finished
+//! requests for its clones ([`Links`]), so the path every request takes allocates nothing
+//! for it.
 //!
 //! The machinery the loop and the companions share lives here too, so that none of them
-//! depends on another: the response body every layer returns ([`RetryBody`], with the bounded
-//! peek and the idle timer), the [`AttemptContext`] extension, the peek limit.
-//!
-//! The loop also ends a request at once, before any classifier runs, when an inner layer
-//! fails with one of this crate's final errors ([`Error::is_final`]): a credential that could
-//! not be had, a signal to switch models. A custom [`Classify`](crate::classify::Classify) cannot retry
-//! them.
+//! depends on another: the response body the loop returns ([`RetryBody`], with the bounded
+//! peek and the idle timer), the peek limit.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::Request;
 use tower_service::Service;
 
 use crate::body::ReplayBody;
-use crate::classify::FailureClass;
+use crate::classify::{Classification, FailureClass};
 use crate::error::Error;
-use crate::provider::error_body::ErrorBody;
 
 pub(crate) mod body;
 
 pub use self::body::RetryBody;
 pub(crate) use self::sealed::HttpResponse;
+
+mod sealed {
+    /// Splits an `http::Response` so a layer's future can name its inner body type.
+    pub trait HttpResponse {
+        /// The body type.
+        type Body;
+        /// `http::Response::into_parts`.
+        fn into_parts(self) -> (http::response::Parts, Self::Body);
+    }
+
+    impl<B> HttpResponse for http::Response<B> {
+        type Body = B;
+        fn into_parts(self) -> (http::response::Parts, B) {
+            http::Response::into_parts(self)
+        }
+    }
+}
+
+/// The response body type of an inner service, named through [`HttpResponse`].
+pub(crate) type ResBodyOf<S> =
+    <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
 
 /// The default bound on how much of an error body is read to classify it.
 pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
@@ -76,7 +92,7 @@ pub enum OverflowRepaired {
 }
 
 /// Request extension set on every attempt, for the layers inside [`RetryLayer`](crate::RetryLayer).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AttemptContext {
     /// This attempt's number: 1 for the first, 2 for the first retry, and so on (see
@@ -88,58 +104,100 @@ pub struct AttemptContext {
     pub consecutive_overloads: u32,
     /// The most retries the policy allows this request.
     pub max_retries: u32,
-    /// The loop carries state for the companion layers in a `Carried` extension too.
-    pub(crate) carries: bool,
-    /// The longest `Retry-After` the policy waits for.
-    pub(crate) retry_after_max: Duration,
     /// This attempt's head timeout, as the loop arms it (cut to the deadline).
     pub(crate) head_timeout: Option<Duration>,
+    /// The handle the loop shares with the companion layers for this send.
+    pub(crate) link: Option<Link>,
 }
 
-/// An inner service's error, with how far down its fallback chain `ModelFallbackLayer` sent
-/// the attempt: what a response tells the loop in its `ModelUsed`, an error cannot. The loop
-/// takes the level and goes on with the error itself, so nothing outside the loop sees this.
-#[derive(Debug)]
-pub(crate) struct AtLevel {
-    pub(crate) level: u32,
-    pub(crate) error: crate::error::BoxError,
-}
-
-impl fmt::Display for AtLevel {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.error, f)
+impl AttemptContext {
+    /// The loop's handle for this send, from a request's extensions: `None` outside a loop.
+    pub(crate) fn link_of(extensions: &http::Extensions) -> Option<&Link> {
+        extensions.get::<AttemptContext>()?.link.as_ref()
     }
 }
 
-impl std::error::Error for AtLevel {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.error)
+/// A companion layer's question to the loop about one response: the one contract between
+/// [`RetryLayer`](crate::RetryLayer)'s loop and the layers inside it.
+///
+/// A companion leaves one on the attempt's [`Link`] (with [`Link::ask`]) when its inner
+/// service answers with a response it has a say on. Once the loop has read the error body
+/// (when any companion or the classifier [wants it](Companion::wants_body)) and classified
+/// the response, it asks every companion of that send in turn.
+///
+/// **Ordering.** Companions are asked in the order they asked, which is innermost first (an
+/// inner layer's response future completes before the outer one's). The first answer other
+/// than [`Judged::Pass`] or [`Judged::Step`] is the loop's answer and the companions further
+/// out are not asked; a [`Judged::Step`] is kept unless such an answer comes after it. So a
+/// credential refresh (`AuthLayer`, innermost) or an overflow repair wins over a fallback
+/// step for the same response, and what an inner companion records in the [`Question`] (every
+/// key of a pool resting) is there for the outer ones.
+pub(crate) trait Companion: Send + Sync + 'static {
+    /// Whether the loop must read the start of the error body for this question, beyond
+    /// what the classifier asks for. Defaults to no.
+    fn wants_body(&self, _head: &http::response::Parts) -> bool {
+        false
+    }
+
+    /// Decides, from the loop's classification of the response, what the companion asks of
+    /// the loop.
+    fn judge(&self, question: &mut Question<'_>) -> Judged;
+
+    /// Told, instead of [`judge`](Companion::judge), that the send failed with no response:
+    /// the error as the inner service raised it. What comes next is the loop's alone.
+    /// Defaults to nothing.
+    fn failed(&self, _error: &(dyn std::error::Error + 'static)) {}
+}
+
+/// What a companion is asked about: one response, as the loop classified it.
+pub(crate) struct Question<'a> {
+    /// The response head; a companion may add extensions to it.
+    pub(crate) head: &'a mut http::response::Parts,
+    /// The loop's classification of the response, with what it read of the error body.
+    pub(crate) class: &'a Classification,
+    /// What the next send carries.
+    pub(crate) carried: &'a mut Carried,
+    /// Every key of a pool rests, so a rate limit has nowhere to wait (`AuthLayer` says so
+    /// for the companions outside it).
+    pub(crate) keys_resting: bool,
+    /// The longest `Retry-After` the policy waits for.
+    pub(crate) retry_after_max: Duration,
+}
+
+impl Question<'_> {
+    /// The failure this response is, as the loop records it; `None` for a success.
+    pub(crate) fn failure(&self, level: Option<u32>) -> Option<Failed> {
+        let class = self.class.class()?;
+        Some(Failed::of(
+            class,
+            self.class,
+            false,
+            self.keys_resting,
+            self.retry_after_max,
+            level,
+        ))
     }
 }
 
-mod sealed {
-    /// Splits an `http::Response` so the retry loop can name its body type.
-    pub trait HttpResponse {
-        /// The body type.
-        type Body;
-        /// `http::Response::into_parts`.
-        fn into_parts(self) -> (http::response::Parts, Self::Body);
-    }
-
-    impl<B> HttpResponse for http::Response<B> {
-        type Body = B;
-        fn into_parts(self) -> (http::response::Parts, B) {
-            http::Response::into_parts(self)
-        }
-    }
+/// What a companion asks of the loop.
+pub(crate) enum Judged {
+    /// Nothing: the loop goes on as the classifier says.
+    Pass,
+    /// Send the same attempt again, at once (a fresh credential, the next pool key, a
+    /// repaired `max_tokens`). Not a retry: no backoff, no budget, no new attempt number, and
+    /// the fleet does not learn from the answer it replaces.
+    Resend,
+    /// End the request with this error (a signal to switch models).
+    Final(Error),
+    /// Return this response without a retry, whatever the classifier says (an overload from
+    /// the last model of a fallback chain).
+    Keep,
+    /// Go on as the classifier says, without the failed response's `Retry-After`: the next
+    /// attempt goes one target down the fallback chain.
+    Step,
 }
 
-/// The response body type of an inner service, named through [`HttpResponse`].
-pub(crate) type ResBodyOf<S> =
-    <<S as Service<Request<ReplayBody>>>::Response as HttpResponse>::Body;
-
-/// Request extension: what the retry loop carries from one send of a request to the next for
-/// the companion layers inside it.
+/// What the loop carries from one send of a request to the next for the companions.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Carried {
     /// AuthLayer: this attempt was re-sent with a fresh credential after a `401`.
@@ -151,9 +209,27 @@ pub(crate) struct Carried {
     /// Every failed attempt of the request so far, in order (ModelFallbackLayer replays them
     /// through its triggers to know where the next attempt goes).
     pub(crate) failures: Vec<Failed>,
-    /// AuthLayer, for the judges outside it in the same question: every key of the pool
-    /// rests, so a rate limit has nowhere to wait. Never carried to the next send.
-    pub(crate) keys_resting: bool,
+}
+
+impl Carried {
+    /// Whether it carries nothing.
+    fn is_empty(&self) -> bool {
+        !self.refreshed && self.rotations == 0 && self.repair.is_none() && self.failures.is_empty()
+    }
+
+    /// Carries nothing.
+    fn clear(&mut self) {
+        self.refreshed = false;
+        self.rotations = 0;
+        self.repair = None;
+        self.failures.clear();
+    }
+
+    /// A new attempt (not a re-send of the same one): what was per attempt starts over.
+    pub(crate) fn next_attempt(&mut self) {
+        self.refreshed = false;
+        self.rotations = 0;
+    }
 }
 
 /// One failed attempt, as the loop saw it.
@@ -161,115 +237,219 @@ pub(crate) struct Carried {
 pub(crate) struct Failed {
     /// The classifier's class.
     pub(crate) class: FailureClass,
+    /// The classifier called it worth a retry.
+    pub(crate) retryable: bool,
     /// A head timeout, an idle stall before the commit point, or a `408`.
     pub(crate) timed_out: bool,
     /// A rate limit with nowhere to wait: a `Retry-After` above the policy's ceiling, or every
     /// key of a pool resting.
     pub(crate) unwaitable: bool,
-    /// How far down its fallback chain ModelFallbackLayer sent the attempt, when a response
-    /// came back through it.
+    /// How far down its fallback chain ModelFallbackLayer sent the attempt.
     pub(crate) level: Option<u32>,
 }
 
-impl Carried {
-    /// A new attempt (not a re-send of the same one): what was per attempt starts over.
-    pub(crate) fn next_attempt(&mut self) {
-        self.refreshed = false;
-        self.rotations = 0;
-    }
-
-    /// Records a failed attempt.
-    pub(crate) fn note_failure(&mut self, failed: Failed) {
-        self.failures.push(failed);
-    }
-}
-
-/// Where a companion layer's request comes from.
-pub(crate) enum Inside {
-    /// A retry loop: the companion keeps nothing and asks the loop.
-    Loop(Carried),
-    /// No loop around it: it buffers, keeps a copy and re-sends itself.
-    Alone,
-}
-
-impl Inside {
-    /// Reads where `parts` comes from.
-    pub(crate) fn of(parts: &http::request::Parts) -> Self {
-        match parts.extensions.get::<AttemptContext>() {
-            None => Inside::Alone,
-            Some(ctx) if ctx.carries => Inside::Loop(
-                parts
-                    .extensions
-                    .get::<Carried>()
-                    .cloned()
-                    .unwrap_or_default(),
-            ),
-            Some(_) => Inside::Loop(Carried::default()),
+impl Failed {
+    /// The record of a failed attempt of `class`, from the loop's classification `c`:
+    /// `timed_out` when the attempt's error says it timed out.
+    pub(crate) fn of(
+        class: FailureClass,
+        c: &Classification,
+        timed_out: bool,
+        keys_resting: bool,
+        retry_after_max: Duration,
+        level: Option<u32>,
+    ) -> Self {
+        Failed {
+            class,
+            retryable: c.is_retryable(),
+            timed_out: class == FailureClass::Timeout || timed_out,
+            unwaitable: class == FailureClass::RateLimited
+                && (keys_resting || c.retry_after().is_some_and(|ra| ra > retry_after_max)),
+            level,
         }
     }
 }
 
-/// A companion's question to the loop about one response.
-pub(crate) trait Judge: Send + Sync + 'static {
-    /// Whether the error body must be read before [`judge`](Judge::judge).
-    fn wants_body(&self, head: &http::response::Parts) -> bool;
+/// The handle the loop shares with the companions for one send: what the loop carries to
+/// them, and what they leave for it.
+#[derive(Clone)]
+pub(crate) struct Link(Arc<Shared>);
 
-    /// Decides, with the error body the loop read (when it read one), what the companion
-    /// would have done. `carried` is what the next send will carry.
-    fn judge(
-        &self,
-        head: &mut http::response::Parts,
-        body: Option<&ErrorBody>,
-        carried: &mut Carried,
-    ) -> Judged;
+struct Shared {
+    carried: Carried,
+    said: Mutex<Said>,
+    // Whether anything was said since the last take: the loop locks only then.
+    spoken: AtomicBool,
 }
 
-/// What a companion asks of the loop.
-pub(crate) enum Judged {
-    /// Nothing: the loop goes on as the classifier says.
-    Pass,
-    /// Send the same attempt again, at once.
-    Resend,
-    /// End the request with this error.
-    Final(Error),
-    /// Return this response without a retry.
-    Keep,
-    /// Go on as the classifier says, without the failed response's `Retry-After`: the next
-    /// attempt goes one target down the fallback chain.
-    Step,
+/// What the companions left on a send for the loop.
+#[derive(Default)]
+pub(crate) struct Said {
+    /// Their questions, in the order they asked (innermost first).
+    pub(crate) companions: Vec<Box<dyn Companion>>,
+    /// How far down its fallback chain ModelFallbackLayer sent the send.
+    pub(crate) level: Option<u32>,
 }
 
-/// Response extension: the questions of the companions a response passed through, innermost
-/// first.
-#[derive(Clone, Default)]
-pub(crate) struct Asks(Vec<Arc<dyn Judge>>);
+impl Link {
+    /// A handle carrying nothing yet.
+    pub(crate) fn new() -> Self {
+        Link::carrying(Carried::default())
+    }
 
-impl Asks {
-    /// Adds `judge` to the questions on `res`.
-    pub(crate) fn push(extensions: &mut http::Extensions, judge: Arc<dyn Judge>) {
-        match extensions.get_mut::<Asks>() {
-            Some(asks) => asks.0.push(judge),
-            None => {
-                extensions.insert(Asks(vec![judge]));
+    fn carrying(carried: Carried) -> Self {
+        Link(Arc::new(Shared {
+            carried,
+            said: Mutex::new(Said::default()),
+            spoken: AtomicBool::new(false),
+        }))
+    }
+
+    /// Whether this is the only hold on the handle.
+    #[inline(always)]
+    pub(crate) fn is_alone(&self) -> bool {
+        // No `Weak` is ever made of a handle: one strong count is this one.
+        Arc::strong_count(&self.0) == 1
+    }
+
+    /// Whether this is the only hold on the handle: then it is emptied for another request,
+    /// and true.
+    #[inline]
+    pub(crate) fn reuse(&mut self) -> bool {
+        // What was said on its last send was taken when that send ended.
+        if !self.is_alone() {
+            return false;
+        }
+        // The last holder let go with a release (its `Arc` drop): what it wrote is seen here.
+        std::sync::atomic::fence(Ordering::Acquire);
+        if !self.0.carried.is_empty() {
+            self.carried_mut().clear();
+        }
+        true
+    }
+
+    /// What the next send carries, to change.
+    pub(crate) fn carried_mut(&mut self) -> &mut Carried {
+        &mut self.unique().carried
+    }
+
+    fn unique(&mut self) -> &mut Shared {
+        if Arc::get_mut(&mut self.0).is_none() {
+            *self = Link::carrying(self.0.carried.clone());
+        }
+        Arc::get_mut(&mut self.0).expect("a handle no one else holds")
+    }
+
+    /// What the loop carries for this send.
+    pub(crate) fn carried(&self) -> &Carried {
+        &self.0.carried
+    }
+
+    /// Leaves `companion`'s question about this send's response for the loop.
+    pub(crate) fn ask(&self, companion: impl Companion) {
+        self.said().companions.push(Box::new(companion));
+    }
+
+    /// Records how far down its fallback chain this send goes.
+    pub(crate) fn record_level(&self, level: u32) {
+        self.said().level = Some(level);
+    }
+
+    /// Takes what the companions left on this send, leaving nothing for the next one.
+    #[inline]
+    pub(crate) fn take_said(&self) -> Said {
+        if !self.0.spoken.swap(false, Ordering::Acquire) {
+            return Said::default();
+        }
+        std::mem::take(&mut *self.0.said.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    fn said(&self) -> std::sync::MutexGuard<'_, Said> {
+        let said = self.0.said.lock().unwrap_or_else(PoisonError::into_inner);
+        self.0.spoken.store(true, Ordering::Release);
+        said
+    }
+}
+
+/// The handles of finished requests, kept for the next ones, so that a request costs no
+/// allocation for its handle once the service has served as many at once. One per `Retry`
+/// service, bounded.
+#[derive(Default)]
+pub(crate) struct Links(Mutex<Vec<Link>>);
+
+impl Links {
+    /// The most handles kept.
+    const KEPT: usize = 64;
+
+    /// A handle carrying nothing: a kept one, or a new one.
+    #[inline]
+    pub(crate) fn take(&self) -> Link {
+        let kept = self.0.lock().ok().and_then(|mut links| links.pop());
+        kept.unwrap_or_else(Link::new)
+    }
+
+    /// Keeps a finished request's handle for a later one, when no one else holds it.
+    #[inline]
+    pub(crate) fn give_back(&self, mut link: Link) {
+        if !link.reuse() {
+            return;
+        }
+        if let Ok(mut links) = self.0.lock() {
+            if links.len() < Self::KEPT {
+                links.push(link);
             }
         }
     }
+}
 
+impl Clone for Links {
+    // A service's own: a clone starts with none.
+    fn clone(&self) -> Self {
+        Links::default()
+    }
+}
+
+impl fmt::Debug for Links {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Links").finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Link {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Link {}
+
+impl fmt::Debug for Link {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Link").finish_non_exhaustive()
+    }
+}
+
+impl Said {
+    /// Whether the error body must be read before the companions are asked.
+    #[inline]
     pub(crate) fn wants_body(&self, head: &http::response::Parts) -> bool {
-        self.0.iter().any(|j| j.wants_body(head))
+        self.companions.iter().any(|c| c.wants_body(head))
     }
 
-    /// Asks each in turn; the first answer other than [`Judged::Pass`] or [`Judged::Step`]
-    /// is the answer, and a step is kept unless another answer ends the question.
-    pub(crate) fn judge(
-        &self,
-        head: &mut http::response::Parts,
-        body: Option<&ErrorBody>,
-        carried: &mut Carried,
-    ) -> Judged {
+    /// Tells each companion, in turn, that the send failed with no response.
+    pub(crate) fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        for companion in &self.companions {
+            companion.failed(error);
+        }
+    }
+
+    /// Asks each companion in turn, as [`Companion`] says: the first answer other than
+    /// [`Judged::Pass`] or [`Judged::Step`] is the answer, and a step is kept unless another
+    /// answer ends the question.
+    pub(crate) fn ask(&self, question: &mut Question<'_>) -> Judged {
         let mut answer = Judged::Pass;
-        for judge in &self.0 {
-            match judge.judge(head, body, carried) {
+        for companion in &self.companions {
+            match companion.judge(question) {
                 Judged::Pass => {}
                 Judged::Step => answer = Judged::Step,
                 other => return other,
@@ -279,8 +459,11 @@ impl Asks {
     }
 }
 
-impl fmt::Debug for Asks {
+impl fmt::Debug for Said {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Asks").field("len", &self.0.len()).finish()
+        f.debug_struct("Said")
+            .field("companions", &self.companions.len())
+            .field("level", &self.level)
+            .finish()
     }
 }

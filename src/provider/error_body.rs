@@ -45,8 +45,10 @@ struct ErrorObject<'a> {
     message: Option<std::borrow::Cow<'a, str>>,
 }
 
-/// An error body as the retry loop read it, once per attempt: what it says, parsed once for
-/// every companion layer.
+/// What an error body says, parsed once: by the default classifier, which hands the numbers
+/// of a context overflow on to the companion layers in its [`Classification`].
+///
+/// [`Classification`]: crate::classify::Classification
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ErrorBody {
     pub(crate) signal: BodySignal,
@@ -67,11 +69,6 @@ impl ErrorBody {
         };
         ErrorBody { signal, overflow }
     }
-}
-
-/// Reads the error signal out of a (possibly truncated) JSON error body.
-pub(crate) fn body_signal(body: &[u8]) -> BodySignal {
-    read(body).0
 }
 
 /// The signal, and the message when the body parsed.
@@ -203,6 +200,10 @@ impl Numbers<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn body_signal(body: &[u8]) -> BodySignal {
+        ErrorBody::parse(body).signal
+    }
 
     #[test]
     fn overflow_numbers() {

@@ -9,7 +9,7 @@ use super::{Retry, RetryObserver, RetryPolicy};
 use crate::body::DEFAULT_BODY_LIMIT;
 use crate::classify::DefaultClassifier;
 use crate::fleet::Fleet;
-use crate::pipeline::DEFAULT_PEEK_LIMIT;
+use crate::pipeline::{Links, DEFAULT_PEEK_LIMIT};
 
 /// Applies [`Retry`] to a service: buffers each request body once and retries failed
 /// attempts of LLM API calls. See the [module docs](crate::retry).
@@ -34,6 +34,8 @@ pub(crate) struct Config<C> {
     /// Shared by every service made from this layer and its clones, and by every other layer
     /// given a clone of it.
     pub(crate) fleet: Fleet,
+    /// The handles for the companion layers, kept from one request to the next.
+    pub(crate) links: Links,
 }
 
 impl RetryLayer {
@@ -53,6 +55,7 @@ impl RetryLayer {
                 stream_end_check: true,
                 buffer_responses: None,
                 fleet: Fleet::default(),
+                links: Links::default(),
             },
         }
     }
@@ -87,6 +90,7 @@ impl<C> RetryLayer<C> {
                 stream_end_check: c.stream_end_check,
                 buffer_responses: c.buffer_responses,
                 fleet: c.fleet,
+                links: Links::default(),
             },
         }
     }

@@ -96,8 +96,9 @@
 //! [`AuthLayer`](crate::AuthLayer), [`ModelFallbackLayer`](crate::ModelFallbackLayer) and
 //! [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside a `RetryLayer` keep no copy of
 //! the request and read no error body of their own: they edit each send on its way in, and
-//! ask the loop about the answer. The loop reads the error body once, parses it once for all
-//! of them, and does what they ask:
+//! ask the loop about the answer. The loop reads the error body once, classifies it once (the
+//! classifier parses it, and the companions read that [`Classification`](crate::classify::Classification),
+//! so a custom [`Classify`](crate::classify::Classify) steers them too), and does what they ask:
 //!
 //! - re-send the same attempt at once (a fresh credential after a `401`, the next pool key
 //!   after a `429`, a repaired `max_tokens`): not a retry, so no backoff, no budget, no new
@@ -109,10 +110,13 @@
 //!   retry them;
 //! - send the next attempt one model further down the fallback chain.
 //!
-//! A repair is carried by every later attempt of the request. Between the loop and a
-//! companion, the request body must stay a [`ReplayBody`](crate::ReplayBody): a layer that maps
-//! the body in between makes the companion work on its own (buffering and re-sending itself),
-//! as it does without a `RetryLayer`.
+//! A repair is carried by every later attempt of the request. The companions are
+//! `Service<Request<ReplayBody>>`s that return their inner service's responses and errors
+//! as they are, so the stack's body type is one [`RetryBody`] around the HTTP client's. What
+//! they tell the loop travels on a handle in the request's [`AttemptContext`], so a layer in
+//! between that maps response bodies or inspects errors changes nothing. They work only
+//! inside the loop: to use one without retries, use `RetryLayer` with the
+//! [`never`](RetryPolicy::never) policy; its re-sends of the same attempt still happen.
 //!
 //! # Defaults
 //!
@@ -208,8 +212,10 @@
 //! extensions replaces the layer's policy for that request (a preset picked per request, as
 //! the proxy's `x-llm-retry-policy` header does); an `Override` then applies on top of it.
 
+mod decide;
 mod future;
 pub(crate) mod layer;
+mod peek;
 pub(crate) mod policy;
 mod service;
 

@@ -12,6 +12,7 @@ use super::{RetryBody, RetryLayer};
 use crate::body::ReplayBody;
 use crate::classify::{Classify, DefaultClassifier};
 use crate::error::{BoxError, Error, ErrorKind};
+use crate::pipeline::Link;
 
 /// Middleware that buffers each request body once and retries failed attempts.
 ///
@@ -19,6 +20,9 @@ use crate::error::{BoxError, Error, ErrorKind};
 pub struct Retry<S, C = DefaultClassifier> {
     inner: S,
     config: Arc<Config<C>>,
+    // The handle for the companion layers this service last gave a request: the next
+    // request takes it again once that one is done, with no lock and no allocation.
+    spare: Option<Link>,
 }
 
 impl<S> Retry<S> {
@@ -35,7 +39,11 @@ impl<S> Retry<S> {
 
 impl<S, C> Retry<S, C> {
     pub(crate) fn from_config(inner: S, config: Arc<Config<C>>) -> Self {
-        Retry { inner, config }
+        Retry {
+            inner,
+            config,
+            spare: None,
+        }
     }
 
     /// The wrapped service.
@@ -56,9 +64,11 @@ impl<S, C> Retry<S, C> {
 
 impl<S: Clone, C> Clone for Retry<S, C> {
     fn clone(&self) -> Self {
+        // A clone's requests have their own handles.
         Retry {
             inner: self.inner.clone(),
             config: self.config.clone(),
+            spare: None,
         }
     }
 }
@@ -99,6 +109,14 @@ where
         // and is polled ready for the next call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(inner, self.config.clone(), req)
+        let link = match self.spare.take() {
+            Some(mut link) => match link.reuse() {
+                true => link,
+                false => self.config.links.take(),
+            },
+            None => self.config.links.take(),
+        };
+        self.spare = Some(link.clone());
+        ResponseFuture::new(inner, self.config.clone(), req, Some(link))
     }
 }

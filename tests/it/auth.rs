@@ -14,7 +14,9 @@ use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::auth::{ApiKeyPool, AuthOutcome, CredentialHeader, RefreshingToken, Token};
 use tower_llm_retry::classify::FailureClass;
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::{ApiKey, AuthLayer, ErrorKind, ReplayBody, RetryLayer, RetryTrail};
+use tower_llm_retry::{
+    ApiKey, AuthLayer, ErrorKind, ReplayBody, RetryLayer, RetryPolicy, RetryTrail,
+};
 
 /// A refreshing source that starts with `tok-old` and hands out `tok-new-1`, `tok-new-2`, …,
 /// counting its calls; each call takes 10 ms, so concurrent requests pile up behind it.
@@ -371,13 +373,15 @@ async fn the_credential_is_set_on_every_attempt_and_marked_sensitive() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn works_alone_and_buffers_the_body_itself() {
+async fn refreshes_within_the_attempt_with_the_never_policy() {
     let server =
         MockServer::start(Script::new().require_header("authorization", ["Bearer tok-new-1"]))
             .await
             .unwrap();
     let (source, calls) = refreshing(false);
+    // No retries: the refresh after the 401 is a re-send of the same attempt.
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(AuthLayer::new(source))
         .service(http_client());
     let res = svc
@@ -398,7 +402,12 @@ async fn a_body_too_large_to_buffer_gets_its_credential_but_no_resend() {
             .unwrap();
     let (source, calls) = refreshing(false);
     let svc = ServiceBuilder::new()
-        .layer(AuthLayer::new(source.clone()).body_limit(16))
+        .layer(
+            RetryLayer::new()
+                .policy(RetryPolicy::never())
+                .body_limit(16),
+        )
+        .layer(AuthLayer::new(source.clone()))
         .service(http_client());
     let req = Request::post(server.url("/v1/messages"))
         .body(Full::new(Bytes::from_static(BODY.as_bytes())))
@@ -409,6 +418,7 @@ async fn a_body_too_large_to_buffer_gets_its_credential_but_no_resend() {
     // The rejected token was still dropped: the next request gets a fresh one.
     assert_eq!(calls.load(Ordering::SeqCst), 0);
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(AuthLayer::new(source))
         .service(http_client());
     let res = svc
@@ -657,5 +667,48 @@ async fn a_token_that_never_seems_to_expire_is_sent_and_kept() {
     assert_eq!(
         seen_header(&server, "authorization"),
         ["Bearer tok-forever"; 3]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keys_rest_reads_an_http_date_against_the_responses_date() {
+    // The server's clock says 00:00:00 and asks for 00:01:00: a minute of rest, whatever the
+    // host's clock says (months later, which would make the date past and the rest the
+    // default 5 s).
+    let server = MockServer::start(Script::new().when(|req| {
+        (req.headers["x-api-key"] == "sk-a").then(|| {
+            Reply::rate_limited("Thu, 01 Jan 2026 00:01:00 GMT")
+                .header("date", "Thu, 01 Jan 2026 00:00:00 GMT")
+        })
+    }))
+    .await
+    .unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"]).unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // Ten seconds on, past the default rest, sk-a still rests.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let res = svc
+        .clone()
+        .oneshot(anthropic_request(&url, BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // A minute on, it is tried again.
+    tokio::time::sleep(Duration::from_secs(51)).await;
+    let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen_header(&server, "x-api-key"),
+        ["sk-a", "sk-b", "sk-b", "sk-a", "sk-b"]
     );
 }

@@ -55,10 +55,8 @@ async fn send(
     server: &MockServer,
     policy: RetryPolicy,
     layer: ModelFallbackLayer,
-) -> Result<
-    http::Response<tower_llm_retry::RetryBody<tower_llm_retry::RetryBody<hyper::body::Incoming>>>,
-    tower_llm_retry::Error,
-> {
+) -> Result<http::Response<tower_llm_retry::RetryBody<hyper::body::Incoming>>, tower_llm_retry::Error>
+{
     let svc = ServiceBuilder::new()
         .layer(RetryLayer::new().policy(policy))
         .layer(layer)
@@ -824,7 +822,7 @@ async fn a_step_to_the_next_target_does_not_wait_at_the_gate_the_failing_target_
 }
 
 #[tokio::test(start_paused = true)]
-async fn on_its_own_the_layer_still_routes_around_an_open_circuit() {
+async fn with_the_never_policy_the_layer_still_routes_around_an_open_circuit() {
     let server = MockServer::start(by_model(|_| Reply::status(503)))
         .await
         .unwrap();
@@ -833,8 +831,9 @@ async fn on_its_own_the_layer_still_routes_around_an_open_circuit() {
         .unwrap()
         .circuit(Circuit::new().failures(2).cooldown(Duration::from_secs(30)))
         .unwrap();
-    // No RetryLayer: the layer buffers the body itself and never retries.
+    // No retries: each request is one attempt, which a circuit still moves.
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(layer.clone())
         .service(http_client());
     let mut statuses = Vec::new();
@@ -858,7 +857,7 @@ async fn on_its_own_the_layer_still_routes_around_an_open_circuit() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn on_its_own_an_exhausted_quota_never_counts_against_the_circuit() {
+async fn with_the_never_policy_an_exhausted_quota_never_counts_against_the_circuit() {
     let server = MockServer::start(by_model(|_| {
         Reply::openai_error(429, "insufficient_quota", "You exceeded your current quota")
     }))
@@ -870,6 +869,7 @@ async fn on_its_own_an_exhausted_quota_never_counts_against_the_circuit() {
         .circuit(Circuit::new().failures(1))
         .unwrap();
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(layer.clone())
         .service(http_client());
     send_twice(&svc, &server, StatusCode::TOO_MANY_REQUESTS).await;

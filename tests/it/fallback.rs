@@ -12,7 +12,8 @@ use tower_llm_retry::fallback::{FallbackMode, FallbackTriggered, ModelUsed};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::{
-    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryTrail,
+    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, ReplayBody, RetryLayer, RetryPolicy,
+    RetryTrail,
 };
 
 /// Pretty-printed, with a nested `"model"` that must never change.
@@ -366,9 +367,10 @@ async fn a_body_without_a_model_passes_through() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn works_alone_and_buffers_the_body_itself() {
+async fn works_with_the_never_policy() {
     let server = start(Script::new()).await;
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(ModelFallbackLayer::new([SONNET]).unwrap())
         .service(http_client());
     let res = svc
@@ -440,11 +442,9 @@ async fn a_layer_outside_retry_layer_warns_once() {
         .layer(RetryLayer::new())
         .service(http_client());
     for _ in 0..3 {
-        let res = outside
-            .clone()
-            .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
-            .await
-            .unwrap();
+        let req = anthropic_request(&server.url("/v1/messages"), OPUS)
+            .map(|_| ReplayBody::new(OPUS.as_bytes()));
+        let res = outside.clone().oneshot(req).await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
     }
     let warned = |text: &str| text.matches("must sit inside RetryLayer").count();
@@ -474,4 +474,83 @@ fn configuration_is_validated() {
         .unwrap()
         .threshold(0)
         .is_err());
+}
+
+/// Calls a `400` whose body carries the marker `Overloaded` an overload, as a gateway that
+/// wraps the provider's overloads in its own `400`s would need.
+#[derive(Debug, Clone, Default)]
+struct GatewayOverloads(tower_llm_retry::classify::DefaultClassifier);
+
+impl tower_llm_retry::classify::Classify for GatewayOverloads {
+    fn classify_response(
+        &self,
+        head: &http::response::Parts,
+        body: Option<&[u8]>,
+    ) -> tower_llm_retry::classify::Classification {
+        let marked = body.is_some_and(|b| b.windows(10).any(|w| w == b"Overloaded"));
+        if head.status == StatusCode::BAD_REQUEST && marked {
+            return tower_llm_retry::classify::Classification::retry(FailureClass::Overloaded);
+        }
+        self.0.classify_response(head, body)
+    }
+
+    fn classify_error(
+        &self,
+        error: &(dyn std::error::Error + 'static),
+    ) -> tower_llm_retry::classify::Classification {
+        self.0.classify_error(error)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_custom_classifier_steers_the_fallback_trigger() {
+    let script = || {
+        Script::new()
+            .then(Reply::status(400).body(r#"{"error":{"message":"upstream Overloaded"}}"#))
+            .then(Reply::success())
+    };
+    // The classifier calls the marked 400 an overload: with a threshold of 1, the retry goes
+    // to the fallback model.
+    let server = start(script()).await;
+    let svc = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .policy(exact_policy())
+                .classifier(GatewayOverloads::default()),
+        )
+        .layer(
+            ModelFallbackLayer::new([SONNET])
+                .unwrap()
+                .threshold(1)
+                .unwrap(),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(models_sent(&server), [OPUS_MODEL, SONNET]);
+    let used = res.extensions().get::<ModelUsed>().unwrap();
+    assert_eq!(used.model, SONNET);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.attempts()[0].class, FailureClass::Overloaded);
+
+    // The default classifier calls it a plain 400: no retry, no fallback.
+    let server = start(script()).await;
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(
+            ModelFallbackLayer::new([SONNET])
+                .unwrap()
+                .threshold(1)
+                .unwrap(),
+        )
+        .service(http_client());
+    let res = svc
+        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(models_sent(&server), [OPUS_MODEL]);
 }

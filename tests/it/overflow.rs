@@ -12,9 +12,9 @@ use hyper::body::Incoming;
 use tower::{ServiceBuilder, ServiceExt};
 use tower_llm_retry::mock::{MockServer, RecordedRequest, Reply, Script};
 use tower_llm_retry::overflow::{ContextWindowExceeded, OverflowRepaired};
-use tower_llm_retry::{ContextOverflowLayer, RetryBody, RetryLayer, RetryTrail};
+use tower_llm_retry::{ContextOverflowLayer, RetryBody, RetryLayer, RetryPolicy, RetryTrail};
 
-type Response = http::Response<RetryBody<RetryBody<Incoming>>>;
+type Response = http::Response<RetryBody<Incoming>>;
 
 const BODY: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":64000,
  "messages":[{"role":"user","content":"a long conversation …"}],"stream":false}"#;
@@ -215,7 +215,7 @@ async fn other_400s_pass_through() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn works_alone_and_buffers_the_body_itself() {
+async fn repairs_within_the_attempt_with_the_never_policy() {
     let server = MockServer::start(
         Script::new()
             .then(Reply::context_overflow(150_000, 64_000, 200_000))
@@ -223,7 +223,9 @@ async fn works_alone_and_buffers_the_body_itself() {
     )
     .await
     .unwrap();
+    // No retries: the repair is a re-send of the same attempt.
     let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(RetryPolicy::never()))
         .layer(ContextOverflowLayer::new())
         .service(http_client());
     let res = svc
@@ -247,7 +249,12 @@ async fn a_body_too_large_to_buffer_is_sent_once() {
     .await
     .unwrap();
     let svc = ServiceBuilder::new()
-        .layer(ContextOverflowLayer::new().body_limit(16))
+        .layer(
+            RetryLayer::new()
+                .policy(RetryPolicy::never())
+                .body_limit(16),
+        )
+        .layer(ContextOverflowLayer::new())
         .service(http_client());
     let req = Request::post(server.url("/v1/messages"))
         .body(Full::new(Bytes::from_static(BODY.as_bytes())))

@@ -523,7 +523,7 @@ async fn inner_layers_see_the_attempt_context() {
     let svc = ServiceBuilder::new()
         .layer(RetryLayer::new().policy(RetryPolicy::default().jitter(Jitter::none())))
         .map_request(move |req: Request<ReplayBody>| {
-            let ctx = *req.extensions().get::<AttemptContext>().unwrap();
+            let ctx = req.extensions().get::<AttemptContext>().unwrap().clone();
             log.lock()
                 .unwrap()
                 .push((ctx.attempt, ctx.previous, ctx.consecutive_overloads));

@@ -17,7 +17,7 @@ use tower::Layer;
 use tower_service::Service;
 
 use crate::fleet::{Fleet, GateConfig};
-use crate::pipeline::{Asks, Carried, Judge, Judged};
+use crate::pipeline::{AttemptContext, Companion, Judged, Question};
 use crate::{ReplayBody, RetryLayer, RetryPolicy};
 
 /// Answers from a script, in order, and records every request's retry count.
@@ -162,21 +162,12 @@ async fn a_closed_gate_holds_the_first_attempt_then_sends_it() {
 /// A companion that asks for one re-send of the first answer.
 struct ResendOnce;
 
-impl Judge for ResendOnce {
-    fn wants_body(&self, _: &http::response::Parts) -> bool {
-        false
-    }
-
-    fn judge(
-        &self,
-        _: &mut http::response::Parts,
-        _: Option<&crate::provider::error_body::ErrorBody>,
-        carried: &mut Carried,
-    ) -> Judged {
-        if carried.refreshed {
+impl Companion for ResendOnce {
+    fn judge(&self, q: &mut Question<'_>) -> Judged {
+        if q.carried.refreshed {
             return Judged::Pass;
         }
-        carried.refreshed = true;
+        q.carried.refreshed = true;
         Judged::Resend
     }
 }
@@ -195,13 +186,11 @@ impl Service<Request<ReplayBody>> for Asking {
     }
 
     fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
-        let refreshed = req
-            .extensions()
-            .get::<Carried>()
-            .is_some_and(|c| c.refreshed);
-        let mut res = self.0.call(req).into_inner().unwrap();
-        if res.status() == StatusCode::UNAUTHORIZED && !refreshed {
-            Asks::push(res.extensions_mut(), Arc::new(ResendOnce));
+        let link = AttemptContext::link_of(req.extensions()).cloned();
+        let refreshed = link.as_ref().is_some_and(|l| l.carried().refreshed);
+        let res = self.0.call(req).into_inner().unwrap();
+        if let (StatusCode::UNAUTHORIZED, false, Some(link)) = (res.status(), refreshed, link) {
+            link.ask(ResendOnce);
         }
         ready(Ok(res))
     }
@@ -225,4 +214,43 @@ async fn a_companion_resend_is_the_same_attempt_with_no_sleep() {
     assert_eq!(res.status(), StatusCode::OK);
     assert!(res.extensions().get::<crate::RetryTrail>().is_none());
     assert_eq!(*inner.seen.lock().unwrap(), [1, 1]);
+}
+
+/// Records, at each send, how many failed attempts the loop carries for the companions.
+#[derive(Clone)]
+struct Counting(Scripted, Arc<Mutex<Vec<usize>>>);
+
+impl Service<Request<ReplayBody>> for Counting {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReplayBody>) -> Self::Future {
+        let link = AttemptContext::link_of(req.extensions()).expect("a link on every send");
+        self.1.lock().unwrap().push(link.carried().failures.len());
+        self.0.call(req)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handle_used_again_by_the_next_request_carries_nothing_of_the_last() {
+    let inner = Scripted::new([status(503), status(200), status(200), status(200)]);
+    let carried = Arc::new(Mutex::new(Vec::new()));
+    let mut svc = RetryLayer::new()
+        .policy(policy())
+        .layer(Counting(inner, carried.clone()));
+    // One failure, carried to the retry; then two requests on the same service and on a
+    // clone of it, each starting with nothing carried.
+    assert_eq!(svc.call(request()).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(svc.call(request()).await.unwrap().status(), StatusCode::OK);
+    let mut clone = svc.clone();
+    assert_eq!(
+        clone.call(request()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(*carried.lock().unwrap(), [0, 1, 0, 0]);
 }
