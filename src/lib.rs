@@ -58,9 +58,10 @@
 //!
 //! The two that rewrite the body change one top-level JSON value and leave every other byte as
 //! it was (keys keep their order, strings their escapes, numbers their form), so prompt caches
-//! still match. Each also works on its own, buffering
-//! the body itself. Their re-sends happen within one `RetryLayer` attempt, so they are not
-//! counted as retries.
+//! still match. They live only inside a `RetryLayer`, which buffers the body, reads and
+//! classifies each answer once and asks them through one contract; for a companion without
+//! retries, use `RetryLayer` with [`RetryPolicy::never`]. Their re-sends (a refresh, a repair,
+//! a fallback step) happen within one attempt, so they are not counted as retries.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -161,7 +162,7 @@
 //!   (`otel.kind = "client"`, `http.request.method`, `server.address`,
 //!   `http.request.resend_count` on retries, `http.response.status_code`, `error.type`,
 //!   `gen_ai.request.model`). An `INFO` event before each retry, a `WARN` event on giving up.
-//!   `cargo run --example otel_tracing` prints them.
+//!   `cargo run --example otel_tracing --features mock` prints them.
 //! - [`RetryObserver`](retry::RetryObserver): `on_retry(&RetryEvent)` before each sleep,
 //!   `on_recovered(total_attempts)`, `on_give_up(&RetryTrail)`.
 //! - The companion layers log `INFO` events when they act (a refresh after `401`, a key

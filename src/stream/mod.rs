@@ -33,7 +33,7 @@
 //!
 //! A response handed up by the gate carries a [`StreamCommitted`] extension saying why
 //! ([`CommitReason`]). [`RetryLayer::sse_gate(false)`](crate::RetryLayer::sse_gate) turns the
-//! gate off. `cargo run --example streaming` shows a pre-output overload retried.
+//! gate off. `cargo run --example streaming --features mock` shows a pre-output overload retried.
 //!
 //! # Protocols
 //!
