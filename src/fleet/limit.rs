@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::pacing::PacingConfig;
+use super::pacing::{PacingConfig, MIN_RATE};
 
 struct State {
     rate: f64,
@@ -735,8 +735,6 @@ const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 /// The most timestamps kept (at one per [`SAMPLE_SPACING`], a window holds about 20).
 const MAX_SAMPLES: usize = 64;
 
-/// The lowest rate there is (one request in 1,000 s), so that `1 / rate` stays a duration.
-pub(super) const MIN_RATE: f64 = 0.001;
 /// The shortest Retry-After that informs the rate.
 const MIN_INFORMED_WAIT: Duration = Duration::from_secs(10);
 /// The longest Retry-After taken into the rate it implies.

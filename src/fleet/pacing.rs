@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use super::limit::MIN_RATE;
 use crate::error::ConfigError;
 
 /// Settings of the adaptive pacing of a [`Fleet`](crate::fleet::Fleet), shared by every
@@ -272,4 +271,19 @@ impl PacingConfig {
         let period = self.limit_period?;
         Some((limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.max))
     }
+}
+
+/// The lowest rate there is (one request in 1,000 s), so that `1 / rate` stays a duration.
+pub(super) const MIN_RATE: f64 = 0.001;
+
+/// How a turn of the shared schedule came out.
+#[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RemoteOutcome {
+    /// Booked: go in this epoch of the shared schedule.
+    Go(u64),
+    /// Refused: the turn would come this far off, beyond what the attempt may wait.
+    TooFar(Duration),
+    /// No answer in time: the local line.
+    Failed,
 }

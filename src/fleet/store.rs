@@ -211,18 +211,6 @@ impl Store {
     }
 }
 
-/// How a turn of the shared schedule came out.
-#[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RemoteOutcome {
-    /// Booked: go in this epoch of the shared schedule.
-    Go(u64),
-    /// Refused: the turn would come this far off, beyond what the attempt may wait.
-    TooFar(Duration),
-    /// No answer in time: the local line.
-    Failed,
-}
-
 #[cfg(feature = "fleet-redis")]
 pub(crate) use super::redis::RemoteTurn;
 
@@ -236,7 +224,7 @@ impl RemoteTurn {
     pub(crate) fn poll(
         &mut self,
         _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<RemoteOutcome> {
+    ) -> std::task::Poll<super::pacing::RemoteOutcome> {
         match *self {}
     }
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep};
 
 use super::limit::Turn;
-use super::store::{RemoteOutcome, RemoteTurn, REMOTE_EPOCH};
+use super::pacing::RemoteOutcome;
+use super::store::{RemoteTurn, REMOTE_EPOCH};
 use super::Fleet;
 
 /// The longest an attempt waits in the pacing line, whatever its policy's ceiling.

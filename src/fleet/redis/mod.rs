@@ -33,7 +33,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::budget::{BudgetConfig, SharedBudget};
 use super::gate::Gate;
 use super::limit::Pacer;
-use super::store::RemoteOutcome;
+use super::pacing::RemoteOutcome;
 
 mod link;
 mod pace;
