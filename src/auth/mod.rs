@@ -125,7 +125,7 @@ pub(crate) use self::future::TargetCredential;
 pub use self::refresh::{RefreshingToken, Token};
 pub use self::service::Auth;
 #[cfg(doc)]
-use crate::{ApiKey, AuthLayer};
+use self::{api_key::ApiKey, layer::AuthLayer};
 
 /// Response extension: what [`AuthLayer`] did to get this response.
 ///

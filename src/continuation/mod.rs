@@ -107,7 +107,7 @@ pub use self::future::ResponseFuture;
 pub use self::service::Continuation;
 // The layer is public at the crate root only; imported here for the docs.
 #[cfg(doc)]
-use crate::ContinuationLayer;
+use self::layer::ContinuationLayer;
 
 use bytes::Bytes;
 

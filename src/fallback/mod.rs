@@ -253,12 +253,12 @@ mod target;
 pub use self::circuit::{Circuit, CircuitState};
 pub use self::future::ResponseFuture;
 // The layer is public at the crate root only; imported here for the docs.
+#[cfg(doc)]
+use self::layer::ModelFallbackLayer;
 pub use self::layer::TargetStatus;
 pub use self::service::ModelFallback;
 pub use self::target::Target;
 pub use crate::error::FallbackTriggered;
-#[cfg(doc)]
-use crate::ModelFallbackLayer;
 
 /// What [`ModelFallbackLayer`] does once the threshold is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -101,7 +101,7 @@ pub use self::future::ResponseFuture;
 pub use self::service::McpGate;
 // The layer is public at the crate root only; imported here for the docs.
 #[cfg(doc)]
-use crate::McpGateLayer;
+use self::layer::McpGateLayer;
 
 use serde::Deserialize;
 

@@ -93,9 +93,9 @@ mod service;
 pub use self::future::ResponseFuture;
 pub use self::service::ContextOverflow;
 // The layer is public at the crate root only; imported here for the docs.
-pub use crate::pipeline::OverflowRepaired;
 #[cfg(doc)]
-use crate::ContextOverflowLayer;
+use self::layer::ContextOverflowLayer;
+pub use crate::pipeline::OverflowRepaired;
 
 use crate::provider::error_body::{context_overflow, Overflow};
 
