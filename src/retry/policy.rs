@@ -525,6 +525,10 @@ pub(crate) fn per_request(
     extensions: &http::Extensions,
     layer: &RetryPolicy,
 ) -> Option<RetryPolicy> {
+    // Most requests carry no extension at all: three lookups saved.
+    if extensions.is_empty() {
+        return None;
+    }
     let whole = extensions.get::<RetryPolicy>();
     let changes = extensions.get::<Override>();
     let no_retry = extensions.get::<super::NoRetry>().is_some();
