@@ -749,6 +749,14 @@ const HEAD_GRACE: Duration = Duration::from_millis(100);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pacing from the first attempt, with no burst: what these tests were written for.
+    fn eager() -> PacingConfig {
+        PacingConfig::new()
+            .dormant(false)
+            .burst(Duration::ZERO)
+            .unwrap()
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::task::Wake;
@@ -767,54 +775,14 @@ mod tests {
 
     #[test]
     fn validation() {
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(0.0, 0.0, 1.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(5.0, 6.0, 10.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(11.0, 1.0, 10.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(f64::NAN, 1.0, 10.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .decrease(1.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .decrease(0.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .growth(0.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .growth(2.0)
-            .is_err());
+        assert!(eager().rates(0.0, 0.0, 1.0).is_err());
+        assert!(eager().rates(5.0, 6.0, 10.0).is_err());
+        assert!(eager().rates(11.0, 1.0, 10.0).is_err());
+        assert!(eager().rates(f64::NAN, 1.0, 10.0).is_err());
+        assert!(eager().decrease(1.0).is_err());
+        assert!(eager().decrease(0.0).is_err());
+        assert!(eager().growth(0.0).is_err());
+        assert!(eager().growth(2.0).is_err());
     }
 
     /// A waker that counts how often it was woken.
@@ -836,14 +804,7 @@ mod tests {
     }
 
     fn fixed(rate: f64) -> Pacer {
-        Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(rate, 1.0, rate)
-                .unwrap(),
-        )
+        Pacer::new(eager().rates(rate, 1.0, rate).unwrap())
     }
 
     #[tokio::test(start_paused = true)]
@@ -914,14 +875,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn slow_start_doubles_every_second_of_line_and_ends_halving_at_a_refusal() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(10.0, 1.0, 1_000.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(10.0, 1.0, 1_000.0).unwrap());
         let (_, w) = counting();
         // A line of many: each turn after the first doubles the rate by 2^(time since the
         // last turn).
@@ -960,10 +914,7 @@ mod tests {
     #[test]
     fn the_rate_grows_only_while_someone_waits_in_line() {
         let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
+            eager()
                 .rates(10.0, 2.0, 12.0)
                 .unwrap()
                 .decrease(0.5)
@@ -995,14 +946,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_quota_retry_after_sets_the_rate_that_spreads_it_and_holds_it_a_cycle() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(500.0, 1.0, 500.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(500.0, 1.0, 500.0).unwrap());
         let (_, w) = counting();
         let t0 = Instant::now();
         // 6,000 turns in 12 s (at 500/s), then a 429 whose Retry-After is 48 s: the quota is
@@ -1062,14 +1006,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_stated_limit_caps_the_rate_in_slow_start_and_after() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(50.0, 1.0, 1_000.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(50.0, 1.0, 1_000.0).unwrap());
         let (_, w) = counting();
         // 600 requests a minute: 10/s, below the rate it starts from.
         p.on_limit(600);
@@ -1102,32 +1039,13 @@ mod tests {
 
     #[test]
     fn stated_limits_can_be_ignored_and_the_period_changed() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .limit_period(None)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().limit_period(None).unwrap());
         p.on_limit(60);
         assert_eq!(p.rate(), 50.0);
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .limit_period(Some(Duration::from_secs(1)))
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().limit_period(Some(Duration::from_secs(1))).unwrap());
         p.on_limit(20);
         assert_eq!(p.rate(), 20.0);
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .limit_period(Some(Duration::ZERO))
-            .is_err());
+        assert!(eager().limit_period(Some(Duration::ZERO)).is_err());
     }
 
     /// Takes `n` turns one after another, as fast as the rate allows; the last turn's epoch.
@@ -1149,14 +1067,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_second_quota_refusal_during_the_wait_is_the_same_quota() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(500.0, 1.0, 500.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(500.0, 1.0, 500.0).unwrap());
         let epoch = take_turns(&p, 6_000).await;
         p.on_refusal(epoch, Some(Duration::from_secs(48)));
         let quota = p.rate();
@@ -1170,14 +1081,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_refusal_without_a_quota_keeps_the_quota_count() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(500.0, 1.0, 500.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(500.0, 1.0, 500.0).unwrap());
         // 5,000 turns, a plain 429 (no Retry-After), 1,000 more, then the quota's 429 with
         // 48 s to wait: the quota counts all 6,000 since the first turn.
         let epoch = take_turns(&p, 5_000).await;
@@ -1193,39 +1097,19 @@ mod tests {
 
     #[test]
     fn a_stated_limit_below_min_is_kept_and_rates_have_a_floor() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager());
         // 30 requests a minute: 0.5/s, below the default minimum of 1/s.
         p.on_limit(30);
         assert_eq!(p.rate(), 0.5);
         p.on_refusal(0, None);
         assert!(p.rate() <= 0.5);
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(1e-20, 1e-20, 1.0)
-            .is_err());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .rates(0.001, 0.001, 1.0)
-            .is_ok());
+        assert!(eager().rates(1e-20, 1e-20, 1.0).is_err());
+        assert!(eager().rates(0.001, 0.001, 1.0).is_ok());
     }
 
     #[test]
     fn two_stated_limits_arriving_together_leave_the_later_one_in_force() {
-        let p = Arc::new(Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap(),
-        ));
+        let p = Arc::new(Pacer::new(eager()));
         // One answer states 600 a minute; while it is between its check and the lock, another
         // states 60 a minute and is taken in whole.
         let other = p.clone();
@@ -1323,14 +1207,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_expected_wait_counts_slow_starts_doubling() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(10.0, 1.0, 1_000.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(10.0, 1.0, 1_000.0).unwrap());
         let t0 = Instant::now();
         let (_, w) = counting();
         let tickets: Vec<_> = (0..101).map(|_| p.ticket()).collect();
@@ -1354,14 +1231,7 @@ mod tests {
             "{wait:?}"
         );
         // Up to a ceiling, then at it: a stated 1,200 a minute (20/s).
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .rates(10.0, 1.0, 1_000.0)
-                .unwrap(),
-        );
+        let p = Pacer::new(eager().rates(10.0, 1.0, 1_000.0).unwrap());
         p.on_limit(1_200);
         let tickets: Vec<_> = (0..101).map(|_| p.ticket()).collect();
         assert_eq!(p.poll_turn(tickets[0], &w), Turn::Go(0));
@@ -1402,13 +1272,7 @@ mod tests {
 
     /// A dormant pacing that counted `n` attempts, one every `every`.
     async fn dormant_after(n: u64, every: Duration) -> Pacer {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .dormant(true),
-        );
+        let p = Pacer::new(eager().dormant(true));
         for _ in 0..n {
             assert!(!p.is_awake());
             p.dormant_send();
@@ -1465,13 +1329,7 @@ mod tests {
         p.wake_on_refusal(None);
         assert_eq!(p.rate(), 50.0);
         // None counted at all: the same.
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .dormant(true),
-        );
+        let p = Pacer::new(eager().dormant(true));
         p.wake_on_refusal(None);
         assert_eq!(p.rate(), 50.0);
     }
@@ -1490,30 +1348,13 @@ mod tests {
         p.wake_on_refusal(None);
         assert!(p.is_awake());
         assert_eq!(p.rate(), 5.0);
-        assert!(Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-        )
-        .is_awake());
-        assert!(PacingConfig::new()
-            .dormant(false)
-            .burst(Duration::ZERO)
-            .unwrap()
-            .burst(Duration::from_secs(61))
-            .is_err());
+        assert!(Pacer::new(eager()).is_awake());
+        assert!(eager().burst(Duration::from_secs(61)).is_err());
     }
 
     #[test]
     fn a_nearly_spent_limit_wakes_a_dormant_pacing_at_its_cap() {
-        let p = Pacer::new(
-            PacingConfig::new()
-                .dormant(false)
-                .burst(Duration::ZERO)
-                .unwrap()
-                .dormant(true),
-        );
+        let p = Pacer::new(eager().dormant(true));
         // No limit in force: nothing to wake at.
         p.wake_on_limit();
         assert!(!p.is_awake());
