@@ -39,7 +39,8 @@
 //! `401` / context-overflow `400`s (left to dedicated layers). See [`classify`] for the full
 //! table, [`retry`] for the loop and [`stream`] for streamed responses.
 //!
-//! Three companion layers go inside it, each in its own module:
+//! Three companion layers go inside it, each in its own module, behind a feature of the same
+//! name (on by default):
 //!
 //! ```text
 //! caller ──► RetryLayer ──► ModelFallbackLayer ──► ContextOverflowLayer ──► AuthLayer ──► HTTP client
@@ -62,6 +63,9 @@
 //! counted as retries.
 //!
 //! ```
+//! # #[cfg(not(all(feature = "auth", feature = "fallback", feature = "overflow")))] fn main() {}
+//! # #[cfg(all(feature = "auth", feature = "fallback", feature = "overflow"))]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::convert::Infallible;
 //! use bytes::Bytes;
 //! use http::{Request, Response};
@@ -69,7 +73,6 @@
 //! use tower::{service_fn, ServiceBuilder};
 //! use tower_llm_retry::{ApiKey, AuthLayer, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer};
 //!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
 //! #     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
 //! # });
@@ -83,7 +86,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Two layers for agents go *outside* it, so that each of their requests is retried on its own:
+//! Two layers for agents go *outside* it, so that each of their requests is retried on its own
+//! (features of the same name, off by default):
 //! [`ContinuationLayer`] ([`continuation`]) continues an answer cut at `max_tokens` with
 //! append-only follow-ups, and [`McpGateLayer`] ([`mcp`]) keeps MCP tool calls that are not
 //! idempotent from running twice.
@@ -101,8 +105,8 @@
 //! - the retry loop (retries, backoff, jitter, `Retry-After`, timeouts, deadline, body and
 //!   peek limits, the SSE gate): [`retry`](retry#defaults); the presets: [`RetryPolicy`];
 //! - the retry budget, the cooldown gate and the pacing: [`fleet`](fleet#configuration);
-//! - the companion layers: [`fallback`](fallback#configuration), [`overflow`](overflow#configuration),
-//!   [`auth`](auth#credential-sources), [`continuation`], [`mcp`].
+//! - the companion layers: [`fallback`][fallback-config], [`overflow`][overflow-config],
+//!   [`auth`][auth-sources], [`continuation`], [`mcp`].
 //!
 //! # Conventions
 //!
@@ -167,6 +171,11 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
+//! | `auth` | yes | [`auth`]: [`AuthLayer`], the credential on every request, refreshed on `401`, rotated through a key pool |
+//! | `fallback` | yes | [`fallback`]: [`ModelFallbackLayer`], a chain of models and upstreams to fail over to |
+//! | `overflow` | yes | [`overflow`]: [`ContextOverflowLayer`], a `max_tokens` lowered to fit the context window |
+//! | `continuation` | no | [`continuation`]: [`ContinuationLayer`], an answer cut at `max_tokens` continued (for agents) |
+//! | `mcp` | no | [`mcp`]: [`McpGateLayer`], MCP tool calls that are not idempotent never run twice (for agents) |
 //! | `http2` | yes | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]), read from `h2`, already in any HTTP/2 client's tree |
 //! | `hyper-util` | yes | hyper-util's legacy client errors raised while connecting count as "never sent" ([`classify::request_not_sent`]), so even a `NotReplaySafe` request is retried after them; already in the tree of hyper-util and reqwest users |
 //! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
@@ -181,21 +190,93 @@
 //! through [`reqwest::ReqwestService`], a `reqwest_middleware` chain through
 //! [`reqwest_middleware::RetryMiddleware`], an axum router. The examples `hyper_client`,
 //! `reqwest_client`, `reqwest_middleware` and `axum_proxy` show each.
-
+//!
+// An item behind a feature that is off is linked to the table of features, which names it.
+#![cfg_attr(not(feature = "auth"), doc = "[`auth`]: crate#features")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+#![cfg_attr(
+    not(feature = "auth"),
+    doc = "[`ErrorKind::TokenRefresh`]: crate#features"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[`fallback`]: crate#features")]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer`]: crate#features"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[`Target`]: crate#features")]
+#![cfg_attr(not(feature = "fallback"), doc = "[`Circuit`]: crate#features")]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer::circuit`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ErrorKind::FallbackTriggered`]: crate#features"
+)]
+#![cfg_attr(not(feature = "overflow"), doc = "[`overflow`]: crate#features")]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`ContextOverflowLayer`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "continuation"),
+    doc = "[`continuation`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "continuation"),
+    doc = "[`ContinuationLayer`]: crate#features"
+)]
+#![cfg_attr(not(feature = "mcp"), doc = "[`mcp`]: crate#features")]
+#![cfg_attr(not(feature = "mcp"), doc = "[`McpGateLayer`]: crate#features")]
+#![cfg_attr(not(feature = "mock"), doc = "[`mock`]: crate#features")]
+#![cfg_attr(
+    not(feature = "reqwest"),
+    doc = "[`reqwest::ReqwestService`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "reqwest-middleware"),
+    doc = "[`reqwest_middleware::RetryMiddleware`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "fleet-redis"),
+    doc = "[`fleet::RedisFleet`]: crate#features"
+)]
+#![cfg_attr(feature = "auth", doc = "[auth-sources]: auth#credential-sources")]
+#![cfg_attr(not(feature = "auth"), doc = "[auth-sources]: crate#features")]
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[fallback-config]: fallback#configuration"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[fallback-config]: crate#features")]
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[overflow-config]: overflow#configuration"
+)]
+#![cfg_attr(not(feature = "overflow"), doc = "[overflow-config]: crate#features")]
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 #![warn(unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub mod auth;
 pub mod body;
 pub mod classify;
+#[cfg(feature = "continuation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "continuation")))]
 pub mod continuation;
 mod error;
+#[cfg(feature = "fallback")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
 pub mod fallback;
 pub mod fleet;
 pub mod json_edit;
+#[cfg(feature = "mcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mcp")))]
 pub mod mcp;
+#[cfg(feature = "overflow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "overflow")))]
 pub mod overflow;
 mod pipeline;
 mod provider;
@@ -214,6 +295,8 @@ pub mod reqwest;
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest-middleware")))]
 pub mod reqwest_middleware;
 
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub use crate::auth::{
     ApiKey, ApiKeyPool, Auth, AuthLayer, AuthOutcome, Credential, CredentialFuture,
     CredentialHeader, InvalidCredential, RefreshingToken, Token, TokenSource,
@@ -223,13 +306,19 @@ pub use crate::classify::{
     default_sse_verdict, Classification, Classify, DefaultClassifier, FailureClass, RequestNotSent,
     SseVerdict, WallClock,
 };
+#[cfg(feature = "continuation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "continuation")))]
 pub use crate::continuation::{
     Continuation, ContinuationBody, ContinuationLayer, Continued, TruncatedToolCall,
 };
+#[cfg(feature = "fallback")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
+pub use crate::error::FallbackTriggered;
 pub use crate::error::{
-    AttemptRecord, BoxError, Error, ErrorKind, FallbackTriggered, GiveUpReason, RetryTrail,
-    TimedOut, TimeoutKind,
+    AttemptRecord, BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut, TimeoutKind,
 };
+#[cfg(feature = "fallback")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
 pub use crate::fallback::{
     Circuit, CircuitState, FallbackMode, ModelFallback, ModelFallbackLayer, ModelUsed, Target,
     TargetAttempts, TargetStatus,
@@ -238,7 +327,11 @@ pub use crate::fleet::{BudgetConfig, BudgetStats, Fleet, FleetBuilder, GateConfi
 #[cfg(feature = "fleet-redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "fleet-redis")))]
 pub use crate::fleet::{RedisFleet, RedisState};
+#[cfg(feature = "mcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mcp")))]
 pub use crate::mcp::{McpBody, McpGate, McpGateLayer, ToolAnnotations};
+#[cfg(feature = "overflow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "overflow")))]
 pub use crate::overflow::{
     ContextOverflow, ContextOverflowLayer, ContextWindowExceeded, OverflowRepaired,
 };

@@ -119,6 +119,7 @@ pub use self::credential::{
     Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource,
 };
 pub use self::future::ResponseFuture;
+#[cfg(feature = "fallback")]
 pub(crate) use self::future::TargetCredential;
 pub use self::layer::AuthLayer;
 pub use self::refresh::{RefreshingToken, Token};
