@@ -24,10 +24,12 @@ use crate::error::ConfigError;
 /// the new authority. Every other header is sent as it was.
 ///
 /// ```
+/// # #[cfg(not(feature = "auth"))] fn main() {}
+/// # #[cfg(feature = "auth")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use tower_llm_retry::auth::ApiKey;
 /// use tower_llm_retry::fallback::Target;
 ///
-/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // The same model, served by a second gateway with its own key.
 /// let target = Target::new("claude-sonnet-4-5")
 ///     .upstream("https://gateway.example.com/anthropic")?
