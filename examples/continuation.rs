@@ -2,7 +2,7 @@
 //! answer twice, then shows a truncated tool call being handed back unrun.
 //!
 //! ```text
-//! cargo run --example continuation --features mock
+//! cargo run --example continuation --features mock,continuation
 //! ```
 
 use bytes::Bytes;

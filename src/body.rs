@@ -134,6 +134,12 @@ impl ReplayBody {
 
     /// A replayable body with `data` in place of these bytes and the same trailers: what a
     /// layer sends after rewriting one field. `None` for a body that is not replayable.
+    #[cfg(any(
+        test,
+        feature = "fallback",
+        feature = "overflow",
+        feature = "continuation"
+    ))]
     pub(crate) fn with_data(&self, data: Bytes) -> Option<Self> {
         self.replayable()
             .map(|(_, trailers)| Self::buffered(data, trailers.cloned()))
@@ -296,6 +302,7 @@ impl Held {
     }
 
     /// The kept body, while one is kept.
+    #[cfg(feature = "continuation")]
     pub(crate) fn body(&self) -> Option<&ReplayBody> {
         self.body.as_ref()
     }

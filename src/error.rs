@@ -45,6 +45,8 @@ pub enum ErrorKind {
     /// The fleet's retry budget refused a retry of a failed attempt.
     BudgetExhausted,
     /// A credential could not be obtained or refreshed.
+    #[cfg(feature = "auth")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
     TokenRefresh,
     /// A response body went quiet for longer than the idle timeout.
     IdleTimeout,
@@ -53,6 +55,8 @@ pub enum ErrorKind {
     ResponseBody,
     /// The model was overloaded often enough that the caller should switch to another one.
     /// The source is a [`FallbackTriggered`](crate::fallback::FallbackTriggered) naming both.
+    #[cfg(feature = "fallback")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
     FallbackTriggered,
     /// The request's deadline ([`RetryPolicy::deadline`](crate::RetryPolicy::deadline))
     /// passed, or would pass, while it waited to start an attempt (at the cooldown gate, in
@@ -88,9 +92,11 @@ impl ErrorKind {
             ErrorKind::BodyRead => "body_read",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::BudgetExhausted => "budget_exhausted",
+            #[cfg(feature = "auth")]
             ErrorKind::TokenRefresh => "token_refresh",
             ErrorKind::IdleTimeout => "idle_timeout",
             ErrorKind::ResponseBody => "response_body",
+            #[cfg(feature = "fallback")]
             ErrorKind::FallbackTriggered => "fallback_triggered",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::IncompleteStream => "incomplete_stream",
@@ -106,9 +112,11 @@ impl ErrorKind {
             ErrorKind::BodyRead => "failed to read the request body",
             ErrorKind::Cancelled => "request cancelled before it could be retried",
             ErrorKind::BudgetExhausted => "retry budget exhausted",
+            #[cfg(feature = "auth")]
             ErrorKind::TokenRefresh => "failed to obtain a credential",
             ErrorKind::IdleTimeout => "response body idle timeout",
             ErrorKind::ResponseBody => "failed to read the response body",
+            #[cfg(feature = "fallback")]
             ErrorKind::FallbackTriggered => "the model is overloaded; switch to a fallback model",
             ErrorKind::DeadlineExceeded => "the request's deadline passed",
             ErrorKind::IncompleteStream => "the event stream ended without its terminal event",
@@ -165,10 +173,13 @@ impl Error {
     /// Errors that an inner layer raises as its final word on the request: the retry loop
     /// neither retries them nor wraps them, so the caller sees their own kind.
     pub(crate) fn is_final(&self) -> bool {
-        matches!(
-            self.kind(),
-            ErrorKind::TokenRefresh | ErrorKind::FallbackTriggered
-        )
+        match self.kind() {
+            #[cfg(feature = "auth")]
+            ErrorKind::TokenRefresh => true,
+            #[cfg(feature = "fallback")]
+            ErrorKind::FallbackTriggered => true,
+            _ => false,
+        }
     }
 }
 
@@ -178,6 +189,7 @@ impl Error {
 /// Returned by [`ModelFallbackLayer`](crate::ModelFallbackLayer) in
 /// [signal mode](crate::fallback::FallbackMode::Signal), for callers that pick models
 /// themselves.
+#[cfg(feature = "fallback")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct FallbackTriggered {
@@ -187,6 +199,7 @@ pub struct FallbackTriggered {
     pub to: String,
 }
 
+#[cfg(feature = "fallback")]
 impl FallbackTriggered {
     pub(crate) fn new(from: impl Into<String>, to: impl Into<String>) -> Self {
         FallbackTriggered {
@@ -196,6 +209,7 @@ impl FallbackTriggered {
     }
 }
 
+#[cfg(feature = "fallback")]
 impl fmt::Display for FallbackTriggered {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -206,6 +220,7 @@ impl fmt::Display for FallbackTriggered {
     }
 }
 
+#[cfg(feature = "fallback")]
 impl std::error::Error for FallbackTriggered {}
 
 impl fmt::Debug for Error {
@@ -441,6 +456,7 @@ mod tests {
         assert_eq!(src.to_string(), "reset by peer");
     }
 
+    #[cfg(feature = "fallback")]
     #[test]
     fn fallback_triggered_names_both_models() {
         let err = Error::new(ErrorKind::FallbackTriggered).with_source(FallbackTriggered::new(

@@ -39,7 +39,8 @@
 //! `401` / context-overflow `400`s (left to dedicated layers). See [`classify`] for the full
 //! table, [`retry`] for the loop and [`stream`] for streamed responses.
 //!
-//! Three companion layers go inside it, each in its own module:
+//! Three companion layers go inside it, each in its own module, behind a feature of the same
+//! name (on by default):
 //!
 //! ```text
 //! caller ──► RetryLayer ──► ModelFallbackLayer ──► ContextOverflowLayer ──► AuthLayer ──► HTTP client
@@ -64,6 +65,9 @@
 //! a fallback step) happen within one attempt, so they are not counted as retries.
 //!
 //! ```
+//! # #[cfg(not(all(feature = "auth", feature = "fallback", feature = "overflow")))] fn main() {}
+//! # #[cfg(all(feature = "auth", feature = "fallback", feature = "overflow"))]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::convert::Infallible;
 //! use bytes::Bytes;
 //! use http::{Request, Response};
@@ -71,7 +75,6 @@
 //! use tower::{service_fn, ServiceBuilder};
 //! use tower_llm_retry::{ApiKey, AuthLayer, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer};
 //!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let http_client = service_fn(|_req: Request<ReplayBody>| async {
 //! #     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
 //! # });
@@ -85,7 +88,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Two layers for agents go *outside* it, so that each of their requests is retried on its own:
+//! Two layers for agents go *outside* it, so that each of their requests is retried on its own
+//! (features of the same name, off by default):
 //! [`ContinuationLayer`] ([`continuation`]) continues an answer cut at `max_tokens` with
 //! append-only follow-ups, and [`McpGateLayer`] ([`mcp`]) keeps MCP tool calls that are not
 //! idempotent from running twice.
@@ -104,8 +108,8 @@
 //! - the retry loop (retries, backoff, jitter, `Retry-After`, timeouts, deadline, body and
 //!   peek limits, the SSE gate): [`retry`](retry#defaults); the presets: [`RetryPolicy`];
 //! - the retry budget, the cooldown gate and the pacing: [`fleet`](fleet#configuration);
-//! - the companion layers: [`fallback`](fallback#configuration), [`overflow`](overflow#configuration),
-//!   [`auth`](auth#credential-sources), [`continuation`], [`mcp`].
+//! - the companion layers: [`fallback`][fallback-config], [`overflow`][overflow-config],
+//!   [`auth`][auth-sources], [`continuation`], [`mcp`].
 //!
 //! # Conventions
 //!
@@ -114,7 +118,7 @@
 //! - **Configuration** types are built by chained setters named after the setting
 //!   (`max_retries(n)`). A setting that is read back has a getter named `get_` and the
 //!   setting (`get_ttl()`): [`BudgetConfig`](fleet::BudgetConfig),
-//!   [`PacingConfig`](fleet::PacingConfig) and [`Target`](fallback::Target) have them for
+//!   [`PacingConfig`](fleet::PacingConfig) and `fallback::Target` have them for
 //!   theirs; a [`Fleet`](fleet::Fleet) reads its state back by name
 //!   ([`budget_stats`](fleet::Fleet::budget_stats), [`pace`](fleet::Fleet::pace), …);
 //!   a [`RetryPolicy`] and the layers are not read back (their `Debug` shows them). One
@@ -122,7 +126,7 @@
 //!   A setter returns
 //!   `Result<Self, ConfigError>` exactly when its value can be wrong on its own (a multiplier
 //!   below 1, a jitter fraction above 1, an empty fallback chain), and fails at that call,
-//!   naming the setting. The one exception is [`Circuit`](fallback::Circuit), a value checked
+//!   naming the setting. The one exception is `fallback::Circuit`, a value checked
 //!   as a whole when [`ModelFallbackLayer::circuit`] takes it. Two settings that bound each other never fail:
 //!   the bound wins (an `initial_backoff` above `max_backoff` backs off by `max_backoff`, a
 //!   circuit's `max_cooldown` below its `cooldown` does not double it).
@@ -175,6 +179,11 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
+//! | `auth` | yes | [`auth`]: [`AuthLayer`], the credential on every request, refreshed on `401`, rotated through a key pool |
+//! | `fallback` | yes | [`fallback`]: [`ModelFallbackLayer`], a chain of models and upstreams to fail over to |
+//! | `overflow` | yes | [`overflow`]: [`ContextOverflowLayer`], a `max_tokens` lowered to fit the context window |
+//! | `continuation` | no | [`continuation`]: [`ContinuationLayer`], an answer cut at `max_tokens` continued (for agents) |
+//! | `mcp` | no | [`mcp`]: [`McpGateLayer`], MCP tool calls that are not idempotent never run twice (for agents) |
 //! | `http2` | yes | the HTTP/2 proofs that a request was never processed ([`classify::never_processed`]), read from `h2`, already in any HTTP/2 client's tree |
 //! | `hyper-util` | yes | hyper-util's legacy client errors raised while connecting count as "never sent" ([`classify::request_not_sent`]), so even a `NotReplaySafe` request is retried after them; already in the tree of hyper-util and reqwest users |
 //! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
@@ -189,21 +198,93 @@
 //! through [`reqwest::ReqwestService`], a `reqwest_middleware` chain through
 //! [`reqwest_middleware::RetryMiddleware`], an axum router. The examples `hyper_client`,
 //! `reqwest_client`, `reqwest_middleware` and `axum_proxy` show each.
-
+//!
+// An item behind a feature that is off is linked to the table of features, which names it.
+#![cfg_attr(not(feature = "auth"), doc = "[`auth`]: crate#features")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+#![cfg_attr(
+    not(feature = "auth"),
+    doc = "[`ErrorKind::TokenRefresh`]: crate#features"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[`fallback`]: crate#features")]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer`]: crate#features"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[`Target`]: crate#features")]
+#![cfg_attr(not(feature = "fallback"), doc = "[`Circuit`]: crate#features")]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer::circuit`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ErrorKind::FallbackTriggered`]: crate#features"
+)]
+#![cfg_attr(not(feature = "overflow"), doc = "[`overflow`]: crate#features")]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`ContextOverflowLayer`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "continuation"),
+    doc = "[`continuation`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "continuation"),
+    doc = "[`ContinuationLayer`]: crate#features"
+)]
+#![cfg_attr(not(feature = "mcp"), doc = "[`mcp`]: crate#features")]
+#![cfg_attr(not(feature = "mcp"), doc = "[`McpGateLayer`]: crate#features")]
+#![cfg_attr(not(feature = "mock"), doc = "[`mock`]: crate#features")]
+#![cfg_attr(
+    not(feature = "reqwest"),
+    doc = "[`reqwest::ReqwestService`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "reqwest-middleware"),
+    doc = "[`reqwest_middleware::RetryMiddleware`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "fleet-redis"),
+    doc = "[`fleet::RedisFleet`]: crate#features"
+)]
+#![cfg_attr(feature = "auth", doc = "[auth-sources]: auth#credential-sources")]
+#![cfg_attr(not(feature = "auth"), doc = "[auth-sources]: crate#features")]
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[fallback-config]: fallback#configuration"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[fallback-config]: crate#features")]
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[overflow-config]: overflow#configuration"
+)]
+#![cfg_attr(not(feature = "overflow"), doc = "[overflow-config]: crate#features")]
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 #![warn(unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub mod auth;
 mod body;
 pub mod classify;
+#[cfg(feature = "continuation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "continuation")))]
 pub mod continuation;
 mod error;
+#[cfg(feature = "fallback")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
 pub mod fallback;
 pub mod fleet;
 mod json_edit;
+#[cfg(feature = "mcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mcp")))]
 pub mod mcp;
+#[cfg(feature = "overflow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "overflow")))]
 pub mod overflow;
 mod pipeline;
 mod provider;
@@ -223,13 +304,25 @@ pub mod reqwest;
 pub mod reqwest_middleware;
 
 // The names a first stack needs; everything else has its one path in its module.
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub use crate::auth::api_key::ApiKey;
+#[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub use crate::auth::layer::AuthLayer;
 pub use crate::body::ReplayBody;
+#[cfg(feature = "continuation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "continuation")))]
 pub use crate::continuation::layer::ContinuationLayer;
 pub use crate::error::{BoxError, ConfigError, Error, ErrorKind, RetryTrail};
+#[cfg(feature = "fallback")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fallback")))]
 pub use crate::fallback::layer::ModelFallbackLayer;
+#[cfg(feature = "mcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mcp")))]
 pub use crate::mcp::layer::McpGateLayer;
+#[cfg(feature = "overflow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "overflow")))]
 pub use crate::overflow::layer::ContextOverflowLayer;
 pub use crate::pipeline::RetryBody;
 pub use crate::retry::layer::RetryLayer;

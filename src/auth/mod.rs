@@ -18,8 +18,8 @@
 //!   [`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh), which `RetryLayer` returns
 //!   at once rather than retrying.
 //!
-//! A request that [`ModelFallbackLayer`](crate::ModelFallbackLayer) moves to a
-//! [`Target`](crate::fallback::Target) with a [credential](crate::fallback::Target::credential)
+//! A request that [`ModelFallbackLayer`] moves to a
+//! [`Target`] with a [credential]
 //! of its own is sent with that target's source instead of the layer's (refreshes and
 //! rotations included): the primary's credential never goes to another upstream.
 //!
@@ -107,6 +107,22 @@
 //! refresh after a `401` and the move to another key after a `429` are re-sends of the same
 //! attempt, and still happen. Without a `RetryLayer` at all, the layer puts a credential on
 //! each request and never re-sends.
+//!
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[`ModelFallbackLayer`]: crate::ModelFallbackLayer"
+)]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer`]: crate#features"
+)]
+#![cfg_attr(feature = "fallback", doc = "[`Target`]: crate::fallback::Target")]
+#![cfg_attr(not(feature = "fallback"), doc = "[`Target`]: crate#features")]
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[credential]: crate::fallback::Target::credential"
+)]
+#![cfg_attr(not(feature = "fallback"), doc = "[credential]: crate#features")]
 
 pub(crate) mod api_key;
 mod credential;
@@ -121,6 +137,7 @@ pub use self::credential::{
     Credential, CredentialFuture, CredentialHeader, InvalidCredential, TokenSource,
 };
 pub use self::future::ResponseFuture;
+#[cfg(feature = "fallback")]
 pub(crate) use self::future::TargetCredential;
 pub use self::refresh::{RefreshingToken, Token};
 pub use self::service::Auth;

@@ -24,8 +24,8 @@
 //! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
 //! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
 //! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
-//! | 8 | 401 | no retry ([`AuthLayer`](crate::AuthLayer) refreshes once) | `Unauthorized` |
-//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`](crate::ContextOverflowLayer) repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 8 | 401 | no retry ([`AuthLayer`] refreshes once) | `Unauthorized` |
+//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
 //! | 10 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
 //!
 //! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
@@ -104,6 +104,17 @@
 //!     }
 //! }
 //! ```
+//!
+#![cfg_attr(feature = "auth", doc = "[`AuthLayer`]: crate::AuthLayer")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[`ContextOverflowLayer`]: crate::ContextOverflowLayer"
+)]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`ContextOverflowLayer`]: crate#features"
+)]
 
 pub mod headers;
 mod sse;

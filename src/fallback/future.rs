@@ -14,10 +14,12 @@ use tracing::Span;
 use super::circuit::Admit;
 use super::layer::{Config, Counted};
 use super::{FallbackMode, ModelUsed, TargetAttempts};
+#[cfg(feature = "auth")]
 use crate::auth::TargetCredential;
 use crate::body::ReplayBody;
 use crate::error::{Error, ErrorKind, FallbackTriggered};
 use crate::json_edit;
+#[cfg(feature = "overflow")]
 use crate::overflow::OverflowRepaired;
 use crate::pipeline::{AttemptContext, Companion, Judged, Link, Question};
 
@@ -368,6 +370,7 @@ impl Planner {
                     upstream = Some(up.base.clone());
                 }
             }
+            #[cfg(feature = "auth")]
             if let Some(source) = &target.credential {
                 parts.extensions.insert(TargetCredential(source.clone()));
             }
@@ -463,10 +466,13 @@ impl Planner {
         let attempts = self.attempts(&plan);
         // A layer inside (ContextOverflowLayer's context-window fallback) may have re-sent
         // the request to another model: the response came from that one.
+        #[cfg(feature = "overflow")]
         let model = match res.extensions().get::<OverflowRepaired>() {
             Some(OverflowRepaired::Model { to, .. }) => to.clone(),
             _ => plan.sent.clone(),
         };
+        #[cfg(not(feature = "overflow"))]
+        let model = plan.sent.clone();
         res.extensions_mut().insert(ModelUsed {
             model,
             requested: plan.requested,

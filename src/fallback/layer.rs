@@ -109,7 +109,10 @@ impl ModelFallbackLayer {
     /// `Retry-After` is above the policy's
     /// [`retry_after_max`](crate::RetryPolicy::retry_after_max) (the retry goes to the next
     /// target instead of giving up), or one met while every key of an
-    /// [`ApiKeyPool`](crate::auth::ApiKeyPool) inside rests. Defaults to off.
+    /// [`ApiKeyPool`] inside rests. Defaults to off.
+    ///
+    #[cfg_attr(feature = "auth", doc = "[`ApiKeyPool`]: crate::auth::ApiKeyPool")]
+    #[cfg_attr(not(feature = "auth"), doc = "[`ApiKeyPool`]: crate#features")]
     pub fn on_unwaitable_rate_limit(mut self, on: bool) -> Self {
         self.config.triggers.unwaitable = on;
         self

@@ -21,7 +21,7 @@
 //! `AttemptContext`, so it cannot count a request's consecutive overloads and does not fall
 //! back as configured; it logs a warning the first time, once per layer.
 //!
-//! When a [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside this one re-sends a
+//! When a [`ContextOverflowLayer`] inside this one re-sends a
 //! request to its context-window fallback, [`ModelUsed::model`] names that model.
 //!
 //! # Example
@@ -102,7 +102,7 @@
 //! | `529`, or an error body saying `overloaded_error` | after `threshold` in a row (default 3) |
 //! | `5xx`, `408`, `409`, `429`, a transport error, a head timeout, an idle stall before the commit point, a truncated body | with [`after_failures(n)`](ModelFallbackLayer::after_failures), after `n` in a row |
 //! | a head timeout, an idle stall before the commit point, a `408` | with [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts), after `n` in a row |
-//! | `429` with a `Retry-After` above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max), or with every key of an [`ApiKeyPool`](crate::auth::ApiKeyPool) inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
+//! | `429` with a `Retry-After` above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max), or with every key of an [`ApiKeyPool`] inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
 //! | `400` validation, `401`, `403`, `404`, an exhausted quota, a context overflow | never |
 //! | anything after a stream's commit point | never: nothing is re-sent after output |
 //!
@@ -113,8 +113,8 @@
 //!   `Retry-After`, and does not wait at the [fleet](crate::fleet)'s cooldown gate that
 //!   `Retry-After` closed. First attempts of other requests still wait at a closed gate,
 //!   whichever target they would go to: the gate is the fleet's, not a target's.
-//! - A context window overflow is [`ContextOverflowLayer`](crate::ContextOverflowLayer)'s:
-//!   with a [`context_window_fallback`](crate::ContextOverflowLayer::context_window_fallback)
+//! - A context window overflow is [`ContextOverflowLayer`]'s:
+//!   with a [`context_window_fallback`]
 //!   model, placed inside this layer, it re-sends the request once to that model within the
 //!   same attempt, and [`ModelUsed::model`] names it. The two meet there and nowhere else: an
 //!   overflow is never a trigger of this layer (a smaller-context fallback would fail the
@@ -149,12 +149,14 @@
 //! # Targets on other upstreams
 //!
 //! ```
+//! # #[cfg(not(feature = "auth"))] fn main() {}
+//! # #[cfg(feature = "auth")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
 //! use tower_llm_retry::ApiKey;
 //! use tower_llm_retry::ModelFallbackLayer;
 //! use tower_llm_retry::fallback::{Circuit, Target};
 //!
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let layer = ModelFallbackLayer::new([
 //!     // The primary, on the request's own upstream, with the AuthLayer's credential.
 //!     Target::new("claude-sonnet-4-5"),
@@ -171,7 +173,7 @@
 //!
 //! A target's [`upstream`](Target::upstream) replaces the request URI's scheme, authority and
 //! path prefix (the path and query follow the prefix); its
-//! [`credential`](Target::credential) is used by the [`AuthLayer`](crate::AuthLayer)
+//! [`credential`] is used by the [`AuthLayer`]
 //! inside this layer in place of its own, so the primary's key never goes to the other
 //! upstream. Without an `AuthLayer` inside, a target's credential source is not applied.
 //! [`ModelUsed`] says which model and upstream served and how many attempts each target took.
@@ -233,7 +235,7 @@
 //! - Every response carries a [`ModelUsed`] extension, and each call runs in an
 //!   `llm_fallback` tracing span with the OpenTelemetry fields `gen_ai.request.model` (the
 //!   caller's) and `gen_ai.response.model` (the model this layer sent the request to; a
-//!   [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside that moved it to its
+//!   [`ContextOverflowLayer`] inside that moved it to its
 //!   context-window fallback says so in [`ModelUsed::model`], which names the model that
 //!   served).
 //! - A body that is not a JSON object with a string `"model"`, or that could not be buffered,
@@ -243,6 +245,29 @@
 //! two-model chain, the last model gets its first attempt on the 7th try. Leave
 //! [`RetryPolicy::max_consecutive_overloads`](crate::RetryPolicy::max_consecutive_overloads)
 //! unset, or set it above `threshold × (chain length + 1)`.
+//!
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[`ContextOverflowLayer`]: crate::ContextOverflowLayer"
+)]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`ContextOverflowLayer`]: crate#features"
+)]
+#![cfg_attr(feature = "auth", doc = "[`ApiKeyPool`]: crate::auth::ApiKeyPool")]
+#![cfg_attr(not(feature = "auth"), doc = "[`ApiKeyPool`]: crate#features")]
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[`context_window_fallback`]: crate::ContextOverflowLayer::context_window_fallback"
+)]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`context_window_fallback`]: crate#features"
+)]
+#![cfg_attr(feature = "auth", doc = "[`credential`]: Target::credential")]
+#![cfg_attr(not(feature = "auth"), doc = "[`credential`]: crate#features")]
+#![cfg_attr(feature = "auth", doc = "[`AuthLayer`]: crate::AuthLayer")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
 
 mod circuit;
 mod future;

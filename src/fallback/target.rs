@@ -1,11 +1,13 @@
 //! Fallback targets: a model, optionally on another upstream with its own credential.
 
 use std::fmt;
+#[cfg(feature = "auth")]
 use std::sync::Arc;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::Uri;
 
+#[cfg(feature = "auth")]
 use crate::auth::TokenSource;
 use crate::error::ConfigError;
 
@@ -22,10 +24,12 @@ use crate::error::ConfigError;
 /// the new authority. Every other header is sent as it was.
 ///
 /// ```
+/// # #[cfg(not(feature = "auth"))] fn main() {}
+/// # #[cfg(feature = "auth")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use tower_llm_retry::ApiKey;
 /// use tower_llm_retry::fallback::Target;
 ///
-/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// // The same model, served by a second gateway with its own key.
 /// let target = Target::new("claude-sonnet-4-5")
 ///     .upstream("https://gateway.example.com/anthropic")?
@@ -38,6 +42,7 @@ use crate::error::ConfigError;
 pub struct Target {
     pub(crate) model: String,
     pub(crate) upstream: Option<Upstream>,
+    #[cfg(feature = "auth")]
     pub(crate) credential: Option<Arc<dyn TokenSource>>,
 }
 
@@ -57,6 +62,7 @@ impl Target {
         Target {
             model: model.into(),
             upstream: None,
+            #[cfg(feature = "auth")]
             credential: None,
         }
     }
@@ -75,6 +81,8 @@ impl Target {
     /// (refresh on `401` and pool rotation included). Without one, a target on another
     /// upstream is sent the credential of the `AuthLayer` inside (or the caller's own
     /// headers). Defaults to none.
+    #[cfg(feature = "auth")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
     pub fn credential(mut self, source: impl TokenSource) -> Self {
         self.credential = Some(Arc::new(source));
         self
@@ -93,7 +101,11 @@ impl Target {
     /// Whether the target sends the request anywhere but its own URI, or with another
     /// credential.
     pub(crate) fn moves_request(&self) -> bool {
-        self.upstream.is_some() || self.credential.is_some()
+        #[cfg(feature = "auth")]
+        if self.credential.is_some() {
+            return true;
+        }
+        self.upstream.is_some()
     }
 }
 
@@ -118,11 +130,12 @@ impl From<&String> for Target {
 impl fmt::Debug for Target {
     // The credential source holds secrets: only whether there is one.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Target")
-            .field("model", &self.model)
-            .field("upstream", &self.upstream.as_ref().map(|u| &u.base))
-            .field("credential", &self.credential.is_some())
-            .finish()
+        let mut d = f.debug_struct("Target");
+        d.field("model", &self.model)
+            .field("upstream", &self.upstream.as_ref().map(|u| &u.base));
+        #[cfg(feature = "auth")]
+        d.field("credential", &self.credential.is_some());
+        d.finish()
     }
 }
 

@@ -187,7 +187,7 @@ let layer = RetryLayer::new().fleet(fleet);
 //! several providers or keys: a `429` from one would hold the others. So a fleet keeps a
 //! state per scope by default: the upstream (the request URI's authority) and a hash of the
 //! credential header (`authorization`, `x-api-key`, `api-key`, `x-goog-api-key`). A
-//! credential set by an inner [`AuthLayer`](crate::AuthLayer) is not seen: such requests are
+//! credential set by an inner [`AuthLayer`] is not seen: such requests are
 //! scoped by upstream. A [`scope_key`](FleetBuilder::scope_key) hook names scopes otherwise
 //! (a gateway scopes by its own name for the upstream and the tenant's credential, say).
 //!
@@ -222,6 +222,18 @@ let layer = RetryLayer::new().fleet(fleet);
 //!
 //! A value longer than 64 bytes, malformed, negative, overflowing, or a reset more than a day
 //! away counts as absent.
+//!
+#![cfg_attr(feature = "auth", doc = "[`AuthLayer`]: crate::AuthLayer")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+#![cfg_attr(not(feature = "fleet-redis"), doc = "[`RedisFleet`]: crate#features")]
+#![cfg_attr(
+    not(feature = "fleet-redis"),
+    doc = "[`FleetBuilder::redis`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "fleet-redis"),
+    doc = "[`Fleet::redis_state`]: crate#features"
+)]
 
 mod budget;
 mod gate;
@@ -364,7 +376,7 @@ impl FleetBuilder {
     /// `x-goog-api-key`, hashed, never kept), or what a [`scope_key`](Self::scope_key) hook
     /// names. One fleet may then front several keys and
     /// upstreams without one key's `429` holding the others. A credential set by an inner
-    /// layer ([`AuthLayer`](crate::AuthLayer)) is not seen: such requests are scoped by
+    /// layer ([`AuthLayer`]) is not seen: such requests are scoped by
     /// upstream. The read-outs of the fleet ([`Fleet::budget_stats`] and the others) sum or
     /// report over its scopes and its own state (that of requests with no upstream, or past
     /// the bound with every scope in use, which stays in the process); [`Fleet::scopes`] and
@@ -384,6 +396,17 @@ impl FleetBuilder {
     /// Defaults to true, but for a fleet given a Redis store ([`FleetBuilder::redis`]),
     /// whose store names its scope already (call `per_scope(true)` to key its state by
     /// request as well); false keeps one state for every request.
+    ///
+    #[cfg_attr(feature = "auth", doc = "[`AuthLayer`]: crate::AuthLayer")]
+    #[cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+    #[cfg_attr(
+        not(feature = "fleet-redis"),
+        doc = "[`RedisFleet::scope`]: crate#features"
+    )]
+    #[cfg_attr(
+        not(feature = "fleet-redis"),
+        doc = "[`FleetBuilder::redis`]: crate#features"
+    )]
     pub fn per_scope(mut self, yes: bool) -> Self {
         self.per_scope = Some(yes);
         self
@@ -399,6 +422,11 @@ impl FleetBuilder {
     /// [`RedisFleet::scope`]. Only for a fleet kept [per scope](Self::per_scope) (a hook
     /// turns it on, as if `per_scope(true)`, unless `per_scope(false)` is called after).
     /// Defaults to none: the request URI's authority and its credential header.
+    ///
+    #[cfg_attr(
+        not(feature = "fleet-redis"),
+        doc = "[`RedisFleet::scope`]: crate#features"
+    )]
     pub fn scope_key<F>(mut self, key: F) -> Self
     where
         F: Fn(&http::request::Parts, &mut ScopeKey<'_>) + Send + Sync + 'static,

@@ -154,6 +154,7 @@ where
     B::Error: Into<BoxError>,
 {
     /// Reads frames until `limit` bytes are held or the body ends (or fails).
+    #[cfg(feature = "continuation")]
     pub(crate) fn poll_fill(&mut self, cx: &mut Context<'_>, limit: usize) -> Poll<()> {
         while self.len < limit && !self.is_finished() {
             if let Read::End = std::task::ready!(self.poll_read(cx)) {

@@ -71,6 +71,7 @@ pub const DEFAULT_PEEK_LIMIT: usize = 64 * 1024;
 // re-exported from `overflow`.
 /// Response extension: what [`ContextOverflowLayer`](crate::ContextOverflowLayer) changed
 /// before the re-send that produced this response.
+#[cfg(feature = "overflow")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OverflowRepaired {
@@ -112,6 +113,7 @@ pub struct AttemptContext {
 
 impl AttemptContext {
     /// The loop's handle for this send, from a request's extensions: `None` outside a loop.
+    #[cfg(any(test, feature = "auth", feature = "overflow"))]
     pub(crate) fn link_of(extensions: &http::Extensions) -> Option<&Link> {
         extensions.get::<AttemptContext>()?.link.as_ref()
     }
@@ -150,22 +152,35 @@ pub(crate) trait Companion: Send + Sync + 'static {
 }
 
 /// What a companion is asked about: one response, as the loop classified it.
+// Its fields are read by the companions alone: a build without the ones that read a field
+// still asks the same question.
 pub(crate) struct Question<'a> {
     /// The response head; a companion may add extensions to it.
+    #[cfg_attr(not(any(feature = "fallback", feature = "overflow")), allow(dead_code))]
     pub(crate) head: &'a mut http::response::Parts,
     /// The loop's classification of the response, with what it read of the error body.
+    #[cfg_attr(
+        not(any(feature = "auth", feature = "fallback", feature = "overflow")),
+        allow(dead_code)
+    )]
     pub(crate) class: &'a Classification,
     /// What the next send carries.
+    #[cfg_attr(
+        not(any(feature = "auth", feature = "fallback", feature = "overflow")),
+        allow(dead_code)
+    )]
     pub(crate) carried: &'a mut Carried,
     /// Every key of a pool rests, so a rate limit has nowhere to wait (`AuthLayer` says so
     /// for the companions outside it).
     pub(crate) keys_resting: bool,
     /// The longest `Retry-After` the policy waits for.
+    #[cfg_attr(not(feature = "fallback"), allow(dead_code))]
     pub(crate) retry_after_max: Duration,
 }
 
 impl Question<'_> {
     /// The failure this response is, as the loop records it; `None` for a success.
+    #[cfg(feature = "fallback")]
     pub(crate) fn failure(&self, level: Option<u32>) -> Option<Failed> {
         let class = self.class.class()?;
         Some(Failed::of(
@@ -180,6 +195,12 @@ impl Question<'_> {
 }
 
 /// What a companion asks of the loop.
+// The loop answers every request of the contract; a build without the companions that make
+// some of them never constructs those.
+#[cfg_attr(
+    not(all(feature = "auth", feature = "fallback", feature = "overflow")),
+    allow(dead_code)
+)]
 pub(crate) enum Judged {
     /// Nothing: the loop goes on as the classifier says.
     Pass,
@@ -205,6 +226,7 @@ pub(crate) struct Carried {
     /// AuthLayer: pool keys rotated away from after a `429`, in this attempt.
     pub(crate) rotations: u32,
     /// ContextOverflowLayer: the repair every later send of the request carries.
+    #[cfg(feature = "overflow")]
     pub(crate) repair: Option<OverflowRepaired>,
     /// Every failed attempt of the request so far, in order (ModelFallbackLayer replays them
     /// through its triggers to know where the next attempt goes).
@@ -214,14 +236,21 @@ pub(crate) struct Carried {
 impl Carried {
     /// Whether it carries nothing.
     fn is_empty(&self) -> bool {
-        !self.refreshed && self.rotations == 0 && self.repair.is_none() && self.failures.is_empty()
+        #[cfg(feature = "overflow")]
+        if self.repair.is_some() {
+            return false;
+        }
+        !self.refreshed && self.rotations == 0 && self.failures.is_empty()
     }
 
     /// Carries nothing.
     fn clear(&mut self) {
         self.refreshed = false;
         self.rotations = 0;
-        self.repair = None;
+        #[cfg(feature = "overflow")]
+        {
+            self.repair = None;
+        }
         self.failures.clear();
     }
 
@@ -346,11 +375,13 @@ impl Link {
     }
 
     /// Leaves `companion`'s question about this send's response for the loop.
+    #[cfg(any(test, feature = "auth", feature = "fallback", feature = "overflow"))]
     pub(crate) fn ask(&self, companion: impl Companion) {
         self.said().companions.push(Box::new(companion));
     }
 
     /// Records how far down its fallback chain this send goes.
+    #[cfg(feature = "fallback")]
     pub(crate) fn record_level(&self, level: u32) {
         self.said().level = Some(level);
     }
@@ -364,6 +395,7 @@ impl Link {
         std::mem::take(&mut *self.0.said.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
+    #[cfg(any(test, feature = "auth", feature = "fallback", feature = "overflow"))]
     fn said(&self) -> std::sync::MutexGuard<'_, Said> {
         let said = self.0.said.lock().unwrap_or_else(PoisonError::into_inner);
         self.0.spoken.store(true, Ordering::Release);

@@ -778,7 +778,9 @@ fn final_class(error: &(dyn std::error::Error + 'static)) -> Option<FailureClass
     while let Some(e) = next {
         if let Some(e) = e.downcast_ref::<Error>() {
             match e.kind() {
+                #[cfg(feature = "auth")]
                 ErrorKind::TokenRefresh => return Some(FailureClass::Unauthorized),
+                #[cfg(feature = "fallback")]
                 ErrorKind::FallbackTriggered => return Some(FailureClass::Overloaded),
                 _ => {}
             }

@@ -93,8 +93,8 @@
 //!
 //! # Companion layers inside the loop
 //!
-//! [`AuthLayer`](crate::AuthLayer), [`ModelFallbackLayer`](crate::ModelFallbackLayer) and
-//! [`ContextOverflowLayer`](crate::ContextOverflowLayer) inside a `RetryLayer` keep no copy of
+//! [`AuthLayer`], [`ModelFallbackLayer`] and
+//! [`ContextOverflowLayer`] inside a `RetryLayer` keep no copy of
 //! the request and read no error body of their own: they edit each send on its way in, and
 //! ask the loop about the answer. The loop reads the error body once, classifies it once (the
 //! classifier parses it, and the companions read that [`Classification`](crate::classify::Classification),
@@ -103,8 +103,8 @@
 //! - re-send the same attempt at once (a fresh credential after a `401`, the next pool key
 //!   after a `429`, a repaired `max_tokens`): not a retry, so no backoff, no budget, no new
 //!   attempt number, and the fleet does not learn from the answer it replaces;
-//! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`](crate::ErrorKind::TokenRefresh),
-//!   [`ErrorKind::FallbackTriggered`](crate::ErrorKind::FallbackTriggered)), or return the
+//! - end the request with the layer's final error ([`ErrorKind::TokenRefresh`],
+//!   [`ErrorKind::FallbackTriggered`]), or return the
 //!   response without a retry (an overload from the last model of a fallback chain): these hold
 //!   whatever the classifier says, so a custom [`Classify`](crate::classify::Classify) cannot
 //!   retry them;
@@ -211,6 +211,41 @@
 //! leaves every other setting of the layer's policy as it is. A whole [`RetryPolicy`] in the
 //! extensions replaces the layer's policy for that request (a preset picked per request, as
 //! the proxy's `x-llm-retry-policy` header does); an `Override` then applies on top of it.
+//!
+#![cfg_attr(feature = "auth", doc = "[`AuthLayer`]: crate::AuthLayer")]
+#![cfg_attr(not(feature = "auth"), doc = "[`AuthLayer`]: crate#features")]
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[`ModelFallbackLayer`]: crate::ModelFallbackLayer"
+)]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ModelFallbackLayer`]: crate#features"
+)]
+#![cfg_attr(
+    feature = "overflow",
+    doc = "[`ContextOverflowLayer`]: crate::ContextOverflowLayer"
+)]
+#![cfg_attr(
+    not(feature = "overflow"),
+    doc = "[`ContextOverflowLayer`]: crate#features"
+)]
+#![cfg_attr(
+    feature = "auth",
+    doc = "[`ErrorKind::TokenRefresh`]: crate::ErrorKind::TokenRefresh"
+)]
+#![cfg_attr(
+    not(feature = "auth"),
+    doc = "[`ErrorKind::TokenRefresh`]: crate#features"
+)]
+#![cfg_attr(
+    feature = "fallback",
+    doc = "[`ErrorKind::FallbackTriggered`]: crate::ErrorKind::FallbackTriggered"
+)]
+#![cfg_attr(
+    not(feature = "fallback"),
+    doc = "[`ErrorKind::FallbackTriggered`]: crate#features"
+)]
 
 mod decide;
 mod future;

@@ -82,15 +82,26 @@
 //! [`FailureClass::TruncatedEnvelope`](crate::classify::FailureClass::TruncatedEnvelope) instead of
 //! failing in the caller's hands. Such JSON that stopped at the output limit
 //! (`stop_reason: "max_tokens"`, `finish_reason: "length"`) gets an [`OutputTruncated`]
-//! extension and is never re-sent; [`ContinuationLayer`](crate::ContinuationLayer) continues it
+//! extension and is never re-sent; [`ContinuationLayer`] continues it
 //! append-only.
+//!
+#![cfg_attr(
+    feature = "continuation",
+    doc = "[`ContinuationLayer`]: crate::ContinuationLayer"
+)]
+#![cfg_attr(
+    not(feature = "continuation"),
+    doc = "[`ContinuationLayer`]: crate#features"
+)]
 
 mod sse;
 mod terminal;
 
-pub use self::sse::SseEvent;
 #[cfg(not(fuzzing))]
-pub(crate) use self::sse::{ScanError, SseScanner};
+pub(crate) use self::sse::ScanError;
+pub use self::sse::SseEvent;
+#[cfg(all(not(fuzzing), feature = "mcp"))]
+pub(crate) use self::sse::SseScanner;
 // The fuzz targets drive the scanner directly (`cargo fuzz` builds with `--cfg fuzzing`).
 #[cfg(fuzzing)]
 #[doc(hidden)]
