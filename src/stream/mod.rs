@@ -157,6 +157,7 @@ pub struct OutputTruncated;
 
 /// Whether a response is an event stream: its media type is `text/event-stream`, in any case
 /// (media types are case-insensitive), with or without parameters.
+#[inline]
 pub(crate) fn is_event_stream(head: &http::response::Parts) -> bool {
     head.headers
         .get(http::header::CONTENT_TYPE)
