@@ -1,7 +1,6 @@
 //! ModelFallbackLayer inside RetryLayer, against the mock server: which model each attempt
 //! went to, byte for byte, and what the caller gets back.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::common::*;
@@ -12,8 +11,7 @@ use tower_llm_retry::fallback::{FallbackMode, FallbackTriggered, ModelUsed};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::GiveUpReason;
 use tower_llm_retry::{
-    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, ReplayBody, RetryLayer, RetryPolicy,
-    RetryTrail,
+    ContextOverflowLayer, ErrorKind, ModelFallbackLayer, RetryLayer, RetryPolicy, RetryTrail,
 };
 
 /// Pretty-printed, with a nested `"model"` that must never change.
@@ -410,60 +408,6 @@ async fn model_used_names_the_model_a_context_window_fallback_went_to() {
     assert_eq!(used.model, "claude-opus-4-1-1m");
     assert_eq!(used.requested, OPUS_MODEL);
     assert!(used.is_fallback());
-}
-
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_layer_outside_retry_layer_warns_once() {
-    let capture = Capture::default();
-    let writer = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
-    let server = start(Script::new()).await;
-    let outside = ServiceBuilder::new()
-        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
-        .layer(RetryLayer::new())
-        .service(http_client());
-    for _ in 0..3 {
-        let req = anthropic_request(&server.url("/v1/messages"), OPUS)
-            .map(|_| ReplayBody::new(OPUS.as_bytes()));
-        let res = outside.clone().oneshot(req).await.unwrap();
-        assert_eq!(res.status(), StatusCode::OK);
-    }
-    let warned = |text: &str| text.matches("must sit inside RetryLayer").count();
-    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
-    assert_eq!(warned(&text), 1, "{text}");
-
-    // Inside, where it belongs, it says nothing.
-    capture.0.lock().unwrap().clear();
-    let inside = ServiceBuilder::new()
-        .layer(RetryLayer::new())
-        .layer(ModelFallbackLayer::new([SONNET]).unwrap())
-        .service(http_client());
-    let res = inside
-        .oneshot(anthropic_request(&server.url("/v1/messages"), OPUS))
-        .await
-        .unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    let text = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
-    assert_eq!(warned(&text), 0, "{text}");
 }
 
 #[test]
