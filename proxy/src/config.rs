@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tower_llm_retry::fallback::Circuit;
 use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder, RedisFleet};
 use tower_llm_retry::RetryPolicy;
 
@@ -194,10 +195,31 @@ pub struct Upstream {
     pub idle_timeout_secs: Option<u64>,
     /// Total deadline per request, in seconds. Defaults to none.
     pub deadline_secs: Option<u64>,
-    /// Models to fall back to after repeated overloads, in order. Defaults to none.
-    pub fallback: Vec<String>,
-    /// Consecutive overloads before the next model is tried. Defaults to 3.
+    /// A model with a larger context window on this upstream, tried once for a prompt that
+    /// no lower `max_tokens` can fit (needs `overflow_repair`). Defaults to none.
+    pub context_window_fallback: Option<String>,
+    /// Resume after a cut for streams served by this upstream's own models: `off`,
+    /// `prefill` or `instruction`. Defaults to `off`.
+    pub resume: ResumeMode,
+    /// The fallback chain, in order: model names on this upstream, or tables
+    /// `{ model, upstream, resume }` for a model on another `[[upstream]]` of the same kind.
+    /// A request for a model of the chain falls back to the entries after it; list the model
+    /// clients ask for first (it then has a circuit too). Defaults to none.
+    pub fallback: Vec<FallbackTarget>,
+    /// Consecutive overloads (Anthropic's `529` / `overloaded_error`) before the next target
+    /// is tried. Defaults to 3.
     pub fallback_threshold: u32,
+    /// Consecutive retryable failures of any class before the next target is tried.
+    /// Defaults to none (off).
+    pub fallback_after_failures: Option<u32>,
+    /// Consecutive timeouts (no response head in time, a stall before the first output)
+    /// before the next target is tried. Defaults to none (off).
+    pub fallback_after_timeouts: Option<u32>,
+    /// Consecutive connect failures before the next target is tried. Defaults to none (off).
+    pub fallback_after_connect_failures: Option<u32>,
+    /// Fall over at once on a rate limit with nowhere to wait (a `Retry-After` above the
+    /// ceiling, or every held key resting). Defaults to `false`.
+    pub fallback_on_unwaitable_rate_limit: bool,
     /// Lower a `max_tokens` that does not fit the context window and re-send once.
     /// Defaults to `true`.
     pub overflow_repair: bool,
@@ -222,6 +244,162 @@ pub struct Upstream {
     /// A PEM file of extra certificate authorities to trust (a corporate gateway).
     /// Defaults to none.
     pub ca_file: Option<PathBuf>,
+    /// `[upstream.circuit]`: a circuit per target of the fallback chain, shared by every
+    /// tenant of the upstream. Defaults to none (no circuits).
+    pub circuit: Option<CircuitConfig>,
+}
+
+/// How a stream cut after its first output is resumed (parsed and kept here; the resume
+/// itself reads it through [`Upstream::resume_for`]).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Not resumed: the client gets the protocol's error event.
+    #[default]
+    Off,
+    /// The partial text is sent back as an assistant prefill to continue from.
+    Prefill,
+    /// The partial text is sent back with an instruction to continue from it.
+    Instruction,
+}
+
+/// One entry of an upstream's fallback chain: a model name (`"gpt-4o-mini"`) or a table
+/// (`{ model = "gpt-4o", upstream = "openai-backup", resume = "instruction" }`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FallbackTarget {
+    /// The model.
+    pub model: String,
+    /// The name of the `[[upstream]]` that serves it, of the same kind. Defaults to the
+    /// upstream whose chain this is.
+    pub upstream: Option<String>,
+    /// Resume after a cut for streams this target serves. Defaults to the upstream's own
+    /// `resume` for a model on it, `off` for one on another upstream.
+    pub resume: Option<ResumeMode>,
+}
+
+impl FallbackTarget {
+    /// The name of the upstream serving this target, when `own` is the chain's.
+    pub fn upstream_or<'a>(&'a self, own: &'a str) -> &'a str {
+        self.upstream.as_deref().unwrap_or(own)
+    }
+}
+
+impl From<&str> for FallbackTarget {
+    fn from(model: &str) -> Self {
+        FallbackTarget {
+            model: model.to_owned(),
+            upstream: None,
+            resume: None,
+        }
+    }
+}
+
+impl From<String> for FallbackTarget {
+    fn from(model: String) -> Self {
+        FallbackTarget {
+            model,
+            upstream: None,
+            resume: None,
+        }
+    }
+}
+
+/// The table form of a fallback entry, as written.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FallbackTable {
+    model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    upstream: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    resume: Option<ResumeMode>,
+}
+
+impl Serialize for FallbackTarget {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.upstream.is_none() && self.resume.is_none() {
+            return s.serialize_str(&self.model);
+        }
+        FallbackTable {
+            model: self.model.clone(),
+            upstream: self.upstream.clone(),
+            resume: self.resume,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for FallbackTarget {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Entry;
+        impl<'de> serde::de::Visitor<'de> for Entry {
+            type Value = FallbackTarget;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a model name or a table { model, upstream, resume }")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<FallbackTarget, E> {
+                Ok(FallbackTarget::from(v))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<FallbackTarget, A::Error> {
+                let t = FallbackTable::deserialize(serde::de::value::MapAccessDeserializer::new(
+                    map,
+                ))?;
+                Ok(FallbackTarget {
+                    model: t.model,
+                    upstream: t.upstream,
+                    resume: t.resume,
+                })
+            }
+        }
+        d.deserialize_any(Entry)
+    }
+}
+
+/// `[upstream.circuit]`: the settings of the circuit each target of the fallback chain gets.
+/// After `failures` failures of a trigger class within `window_secs`, a target is skipped
+/// for `cooldown_secs`; then one request probes it, and a failed probe doubles the cooldown
+/// up to `max_cooldown_secs`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CircuitConfig {
+    /// Failures within the window that open a target's circuit; at least 1. Defaults to 5.
+    pub failures: u32,
+    /// How far back failures count, in seconds; at least 1. Defaults to 30.
+    pub window_secs: u64,
+    /// How long an opened circuit stays open before its first probe, in seconds; at least 1.
+    /// Defaults to 30.
+    pub cooldown_secs: u64,
+    /// The longest cooldown failed probes double up to, in seconds. Defaults to 300.
+    pub max_cooldown_secs: u64,
+}
+
+impl Default for CircuitConfig {
+    /// The library's [`Circuit::new`] (a unit test holds the two together).
+    fn default() -> Self {
+        CircuitConfig {
+            failures: 5,
+            window_secs: 30,
+            cooldown_secs: 30,
+            max_cooldown_secs: 300,
+        }
+    }
+}
+
+impl CircuitConfig {
+    /// The library's circuit with these settings.
+    pub fn circuit(&self) -> Circuit {
+        Circuit::new()
+            .failures(self.failures)
+            .window(Duration::from_secs(self.window_secs))
+            .cooldown(Duration::from_secs(self.cooldown_secs))
+            .max_cooldown(Duration::from_secs(self.max_cooldown_secs))
+    }
 }
 
 impl Default for Upstream {
@@ -246,8 +424,14 @@ impl Upstream {
             head_timeout_secs: None,
             idle_timeout_secs: None,
             deadline_secs: None,
+            context_window_fallback: None,
+            resume: ResumeMode::Off,
             fallback: Vec::new(),
             fallback_threshold: 3,
+            fallback_after_failures: None,
+            fallback_after_timeouts: None,
+            fallback_after_connect_failures: None,
+            fallback_on_unwaitable_rate_limit: false,
             overflow_repair: true,
             budget: true,
             gate: true,
@@ -256,6 +440,7 @@ impl Upstream {
             keys_file: None,
             roots: Roots::Webpki,
             ca_file: None,
+            circuit: None,
         }
     }
 
@@ -276,6 +461,214 @@ impl Upstream {
     /// Whether the proxy holds this upstream's keys.
     pub fn holds_keys(&self) -> bool {
         self.keys_env.is_some() || self.keys_file.is_some()
+    }
+
+    /// The resume mode for a stream that upstream `upstream` served with `model`, in a
+    /// request routed to this upstream: the matching fallback entry's `resume` when it sets
+    /// one, else this upstream's `resume` for a model on this upstream, else `off`.
+    pub fn resume_for(&self, upstream: &str, model: &str) -> ResumeMode {
+        let entry = self
+            .fallback
+            .iter()
+            .find(|t| t.model == model && t.upstream_or(&self.name) == upstream);
+        match entry.and_then(|t| t.resume) {
+            Some(mode) => mode,
+            None if upstream == self.name => self.resume,
+            None => ResumeMode::Off,
+        }
+    }
+
+    /// The fallback triggers that are on, with the failures in a row each needs to move a
+    /// request one target on: a failure of a trigger's class also counts towards
+    /// `fallback_after_failures`, so that one fires no later. Checked in this order.
+    fn trigger_counts(&self) -> Vec<(&'static str, u32)> {
+        let any = self.fallback_after_failures.unwrap_or(u32::MAX);
+        let mut out = Vec::new();
+        if let Some(n) = self.fallback_after_failures {
+            out.push(("fallback_after_failures", n));
+        }
+        out.push(("fallback_threshold", self.fallback_threshold.min(any)));
+        if let Some(n) = self.fallback_after_timeouts {
+            out.push(("fallback_after_timeouts", n.min(any)));
+        }
+        if let Some(n) = self.fallback_after_connect_failures {
+            out.push(("fallback_after_connect_failures", n.min(any)));
+        }
+        if self.fallback_on_unwaitable_rate_limit {
+            out.push(("fallback_on_unwaitable_rate_limit", 1));
+        }
+        out
+    }
+
+    /// Checks the fallback chain, its triggers and circuit against `all` the upstreams.
+    fn validate_failover(&self, all: &[Upstream]) -> Result<(), ConfigError> {
+        let at = format!("[[upstream]] {:?}", self.name);
+        for (key, n) in [
+            ("fallback_after_failures", self.fallback_after_failures),
+            ("fallback_after_timeouts", self.fallback_after_timeouts),
+            (
+                "fallback_after_connect_failures",
+                self.fallback_after_connect_failures,
+            ),
+        ] {
+            if n == Some(0) {
+                return Err(ConfigError::new(format!(
+                    "{at}: {key} must be at least 1 (leave it out to turn it off)"
+                )));
+            }
+        }
+        if let Some(model) = &self.context_window_fallback {
+            if model.is_empty() {
+                return Err(ConfigError::new(format!(
+                    "{at}: context_window_fallback is empty: name a model, or leave it out"
+                )));
+            }
+            if !self.overflow_repair {
+                return Err(ConfigError::new(format!(
+                    "{at}: context_window_fallback needs overflow_repair = true (the repair \
+                     sends the request to it)"
+                )));
+            }
+        }
+        if let Some(c) = &self.circuit {
+            for (key, v) in [
+                ("failures", u64::from(c.failures)),
+                ("window_secs", c.window_secs),
+                ("cooldown_secs", c.cooldown_secs),
+            ] {
+                if v == 0 {
+                    return Err(ConfigError::new(format!(
+                        "{at}: circuit.{key} must be at least 1"
+                    )));
+                }
+            }
+        }
+        if self.fallback.is_empty() {
+            // A trigger or a circuit with nowhere to go would be a key that does nothing.
+            let set = [
+                (
+                    "fallback_after_failures",
+                    self.fallback_after_failures.is_some(),
+                ),
+                (
+                    "fallback_after_timeouts",
+                    self.fallback_after_timeouts.is_some(),
+                ),
+                (
+                    "fallback_after_connect_failures",
+                    self.fallback_after_connect_failures.is_some(),
+                ),
+                (
+                    "fallback_on_unwaitable_rate_limit",
+                    self.fallback_on_unwaitable_rate_limit,
+                ),
+                ("[upstream.circuit]", self.circuit.is_some()),
+            ];
+            if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
+                return Err(ConfigError::new(format!(
+                    "{at}: {key} is set but fallback is empty: add a fallback target, or \
+                     leave {key} out"
+                )));
+            }
+            return Ok(());
+        }
+        let mut seen: Vec<(&str, &str)> = Vec::new();
+        let mut urls: Vec<(&str, String)> = vec![(&self.name, base_url(&self.url))];
+        for (i, t) in self.fallback.iter().enumerate() {
+            let entry = format!("{at}: fallback entry {} ({:?})", i + 1, t.model);
+            let name = t.upstream_or(&self.name);
+            if name != self.name {
+                let Some(other) = all.iter().find(|u| u.name == name) else {
+                    let names: Vec<&str> = all.iter().map(|u| u.name.as_str()).collect();
+                    return Err(ConfigError::new(format!(
+                        "{entry} names upstream {name:?}, which is not configured: use one \
+                         of {names:?}"
+                    )));
+                };
+                if other.kind != self.kind {
+                    return Err(ConfigError::new(format!(
+                        "{entry} is on upstream {name:?} of kind {}, but this upstream is of \
+                         kind {}: a fallback target must speak the same API",
+                        other.kind.as_str(),
+                        self.kind.as_str()
+                    )));
+                }
+                if other.holds_keys() != self.holds_keys() {
+                    let (with, without) = if self.holds_keys() {
+                        (self.name.as_str(), name)
+                    } else {
+                        (name, self.name.as_str())
+                    };
+                    return Err(ConfigError::new(format!(
+                        "{entry} is on upstream {name:?}: upstream {with:?} holds keys \
+                         (keys_env or keys_file) and {without:?} passes the client's \
+                         credentials through; set keys_env or keys_file on both, or on neither"
+                    )));
+                }
+                if i == 0 {
+                    // A request starts at the first entry of its model's name, wherever that
+                    // entry's upstream is: requests for this one would all go there.
+                    return Err(ConfigError::new(format!(
+                        "{entry} is on upstream {name:?}: the first entry is the model clients \
+                         ask for, and a request for {:?} here would be sent straight to \
+                         {name:?}; list the model clients ask for first (a model of this \
+                         upstream)",
+                        t.model
+                    )));
+                }
+                let url = base_url(&other.url);
+                if let Some((same, _)) = urls.iter().find(|(n, u)| *u == url && *n != name) {
+                    return Err(ConfigError::new(format!(
+                        "{entry} is on upstream {name:?}, whose url is {same:?}'s: the \
+                         upstreams of one chain are told apart by their url"
+                    )));
+                }
+                urls.push((name, url));
+            }
+            if seen.contains(&(name, t.model.as_str())) {
+                return Err(ConfigError::new(format!(
+                    "{entry} lists {:?} on upstream {name:?} a second time: each target \
+                     once",
+                    t.model
+                )));
+            }
+            seen.push((name, &t.model));
+        }
+        // Fallback steps are attempts of the retry loop: the last target is reached only
+        // when the policy allows that many retries. A request for the first model walks the
+        // rest of the chain (at least one step).
+        let max_retries = self.retry_policy().get_max_retries();
+        let steps = (self.fallback.len() as u32).saturating_sub(1).max(1);
+        for (key, n) in self.trigger_counts() {
+            let needed = n.saturating_mul(steps);
+            if needed > max_retries {
+                let policy = match self.max_retries {
+                    Some(m) => format!("max_retries = {m}"),
+                    None => format!(
+                        "policy {:?} ({max_retries} retries)",
+                        self.policy_name()
+                    ),
+                };
+                return Err(ConfigError::new(format!(
+                    "{at}: {key} needs {n} failed attempt(s) per fallback step, so {steps} \
+                     step(s) down the chain take {needed} retries, but {policy} allows \
+                     {max_retries}: the last fallback target can never be reached (fallback \
+                     steps count against max_retries); lower {key}, raise max_retries to \
+                     {needed}, or shorten fallback"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn policy_name(&self) -> &'static str {
+        match self.policy {
+            Preset::Default => "default",
+            Preset::SdkCompatible => "sdk_compatible",
+            Preset::Patient => "patient",
+            Preset::Interactive => "interactive",
+            Preset::Never => "never",
+        }
     }
 
     /// The preset with this upstream's overrides applied.
@@ -429,7 +822,8 @@ impl Config {
     /// Applies `LLM_RETRY_PROXY_*` overrides from `vars`: `LISTEN`, `MAX_BODY_BYTES`,
     /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `LOG_FORMAT`,
     /// `CLIENT_TOKEN`, `REDIS_URL`, `REDIS_PREFIX`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
-    /// `UPSTREAM_{NAME}_MAX_RETRIES` (`NAME` upper-cased, `-` as `_`).
+    /// `UPSTREAM_{NAME}_MAX_RETRIES`, `UPSTREAM_{NAME}_FALLBACK_AFTER_FAILURES`,
+    /// `UPSTREAM_{NAME}_FALLBACK_AFTER_TIMEOUTS` (`NAME` upper-cased, `-` as `_`).
     ///
     /// A variable that `client_token_env` or an upstream's `keys_env` names is the secret
     /// itself, not a setting, and is left alone even when it has the prefix. No error quotes
@@ -493,7 +887,14 @@ impl Config {
                             rest.strip_prefix(&env_name(&u.name))
                                 .and_then(|r| r.strip_prefix('_'))
                                 .is_some_and(|setting| {
-                                    matches!(setting, "URL" | "POLICY" | "MAX_RETRIES")
+                                    matches!(
+                                        setting,
+                                        "URL"
+                                            | "POLICY"
+                                            | "MAX_RETRIES"
+                                            | "FALLBACK_AFTER_FAILURES"
+                                            | "FALLBACK_AFTER_TIMEOUTS"
+                                    )
                                 })
                         })
                         .max_by_key(|u| u.name.len())
@@ -505,6 +906,14 @@ impl Config {
                         })?,
                         "MAX_RETRIES" => {
                             up.max_retries =
+                                Some(value.parse().map_err(|_| bad("expected a number"))?)
+                        }
+                        "FALLBACK_AFTER_FAILURES" => {
+                            up.fallback_after_failures =
+                                Some(value.parse().map_err(|_| bad("expected a number"))?)
+                        }
+                        "FALLBACK_AFTER_TIMEOUTS" => {
+                            up.fallback_after_timeouts =
                                 Some(value.parse().map_err(|_| bad("expected a number"))?)
                         }
                         _ => return Err(bad("unknown upstream setting")),
@@ -607,11 +1016,12 @@ impl Config {
                     "{at}: fallback_threshold must be at least 1"
                 )));
             }
-            if up.fallback.iter().any(|m| m.is_empty()) {
+            if up.fallback.iter().any(|t| t.model.is_empty()) {
                 return Err(ConfigError::new(format!(
                     "{at}: fallback has an empty model name"
                 )));
             }
+            up.validate_failover(&self.upstream)?;
             if up.keys_env.is_some() && up.keys_file.is_some() {
                 return Err(ConfigError::new(format!(
                     "{at}: set keys_env or keys_file, not both"
@@ -684,6 +1094,11 @@ impl Config {
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_secs(self.drain_timeout_secs)
     }
+}
+
+/// A URL without its trailing slashes, to compare upstreams by.
+fn base_url(url: &str) -> String {
+    url.trim_end_matches('/').to_ascii_lowercase()
 }
 
 fn env_name(name: &str) -> String {
@@ -914,5 +1329,252 @@ mod tests {
         };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("max_concurrent_requests"), "{e}");
+    }
+
+    /// Two OpenAI upstreams and one Anthropic upstream, for the failover checks.
+    fn failover(extra: &str) -> Result<Config, ConfigError> {
+        let c = Config::from_toml(&format!(
+            "[[upstream]]\nname = \"openai\"\nkind = \"openai\"\nurl = \"https://api.openai.com\"\n\
+             {extra}\n\
+             [[upstream]]\nname = \"backup\"\nkind = \"openai\"\nurl = \"https://backup.example.com\"\n\
+             [[upstream]]\nname = \"claude\"\nkind = \"anthropic\"\n"
+        ))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn refused(extra: &str) -> String {
+        failover(extra).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn fallback_entries_are_names_or_tables_and_round_trip_masked() {
+        let c = failover(
+            "policy = \"sdk_compatible\"\nfallback_threshold = 1\n\
+             context_window_fallback = \"gpt-4.1\"\nresume = \"prefill\"\n\
+             fallback = [\"gpt-4o\", { model = \"gpt-4o\", upstream = \"backup\", resume = \"instruction\" }]\n\
+             fallback_after_failures = 2\nfallback_after_timeouts = 1\n\
+             fallback_after_connect_failures = 1\nfallback_on_unwaitable_rate_limit = true\n\
+             [upstream.circuit]\nfailures = 3\n",
+        )
+        .unwrap();
+        let up = &c.upstream[0];
+        assert_eq!(up.fallback[0], FallbackTarget::from("gpt-4o"));
+        assert_eq!(
+            up.fallback[1],
+            FallbackTarget {
+                model: "gpt-4o".into(),
+                upstream: Some("backup".into()),
+                resume: Some(ResumeMode::Instruction),
+            }
+        );
+        assert_eq!(
+            up.circuit,
+            Some(CircuitConfig {
+                failures: 3,
+                ..CircuitConfig::default()
+            })
+        );
+        assert_eq!(up.fallback_after_connect_failures, Some(1));
+        // The resume mode of each (upstream, model) that can serve.
+        assert_eq!(up.resume_for("backup", "gpt-4o"), ResumeMode::Instruction);
+        assert_eq!(up.resume_for("openai", "gpt-4o"), ResumeMode::Prefill);
+        assert_eq!(up.resume_for("openai", "gpt-4.1"), ResumeMode::Prefill);
+        assert_eq!(up.resume_for("backup", "other"), ResumeMode::Off);
+        assert_eq!(c.upstream[1].resume, ResumeMode::Off, "off by default");
+        // `--check-config` prints what parses back to the same configuration.
+        let again = Config::from_toml(&c.masked()).unwrap();
+        assert_eq!(again, c, "{}", c.masked());
+        // A table with a key of no meaning is refused with its name.
+        let e = refused("fallback = [{ model = \"m\", upstreams = \"backup\" }]");
+        assert!(e.contains("upstreams"), "{e}");
+        let e = refused("resume = \"sometimes\"");
+        assert!(e.contains("sometimes") || e.contains("resume"), "{e}");
+    }
+
+    #[test]
+    fn the_circuit_defaults_are_the_librarys() {
+        assert_eq!(CircuitConfig::default().circuit(), Circuit::new());
+        let c = failover("fallback = [\"a\", \"b\"]\n[upstream.circuit]\n").unwrap();
+        assert_eq!(c.upstream[0].circuit, Some(CircuitConfig::default()));
+        assert_eq!(Config::default().upstream[0].circuit, None, "no circuits by default");
+    }
+
+    #[test]
+    fn a_fallback_target_on_another_upstream_must_exist_match_and_differ() {
+        let e = refused("fallback = [\"gpt-4o\", { model = \"gpt-4o\", upstream = \"nope\" }]");
+        assert_eq!(
+            e,
+            "[[upstream]] \"openai\": fallback entry 2 (\"gpt-4o\") names upstream \"nope\", \
+             which is not configured: use one of [\"openai\", \"backup\", \"claude\"]"
+        );
+        let e = refused("fallback = [\"gpt-4o\", { model = \"claude-x\", upstream = \"claude\" }]");
+        assert_eq!(
+            e,
+            "[[upstream]] \"openai\": fallback entry 2 (\"claude-x\") is on upstream \"claude\" \
+             of kind anthropic, but this upstream is of kind openai: a fallback target must \
+             speak the same API"
+        );
+        // The same target twice, also when the entry names its own upstream.
+        for chain in [
+            "[\"gpt-4o\", \"gpt-4o\"]",
+            "[\"gpt-4o\", { model = \"gpt-4o\", upstream = \"openai\" }]",
+        ] {
+            let e = refused(&format!("fallback = {chain}"));
+            assert_eq!(
+                e,
+                "[[upstream]] \"openai\": fallback entry 2 (\"gpt-4o\") lists \"gpt-4o\" on \
+                 upstream \"openai\" a second time: each target once",
+                "{chain}"
+            );
+        }
+        let e = refused("fallback = [{ model = \"gpt-4o\", upstream = \"backup\" }]");
+        assert!(
+            e.starts_with(
+                "[[upstream]] \"openai\": fallback entry 1 (\"gpt-4o\") is on upstream \
+                 \"backup\": the first entry is the model clients ask for"
+            ),
+            "{e}"
+        );
+        // The same model elsewhere, after this upstream's: accepted.
+        failover("fallback = [\"gpt-4o\", { model = \"gpt-4o\", upstream = \"backup\" }]").unwrap();
+    }
+
+    #[test]
+    fn both_upstreams_hold_keys_or_neither() {
+        let mut c = failover("").unwrap();
+        c.client_token = Some(Secret::new("tok"));
+        c.upstream[0].fallback = vec![
+            "gpt-4o".into(),
+            FallbackTarget {
+                model: "gpt-4o".into(),
+                upstream: Some("backup".into()),
+                resume: None,
+            },
+        ];
+        c.upstream[1].keys_env = Some("BACKUP_KEYS".into());
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "[[upstream]] \"openai\": fallback entry 2 (\"gpt-4o\") is on upstream \"backup\": \
+             upstream \"backup\" holds keys (keys_env or keys_file) and \"openai\" passes the \
+             client's credentials through; set keys_env or keys_file on both, or on neither"
+        );
+        c.upstream[0].keys_file = Some("openai-keys".into());
+        c.validate().unwrap();
+        c.upstream[1].keys_env = None;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("upstream \"openai\" holds keys (keys_env or keys_file) and \"backup\" passes"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_trigger_the_retry_budget_cannot_reach_is_refused() {
+        // The issue's case: two retries, three overloads before the one fallback.
+        let e = refused("policy = \"sdk_compatible\"\nfallback = [\"gpt-4o\", \"gpt-4o-mini\"]");
+        assert_eq!(
+            e,
+            "[[upstream]] \"openai\": fallback_threshold needs 3 failed attempt(s) per fallback \
+             step, so 1 step(s) down the chain take 3 retries, but policy \"sdk_compatible\" (2 \
+             retries) allows 2: the last fallback target can never be reached (fallback steps \
+             count against max_retries); lower fallback_threshold, raise max_retries to 3, or \
+             shorten fallback"
+        );
+        // A failure trigger below the threshold fires first for overloads too.
+        failover(
+            "policy = \"sdk_compatible\"\nfallback = [\"gpt-4o\", \"gpt-4o-mini\"]\n\
+             fallback_after_failures = 2",
+        )
+        .unwrap();
+        // Each configured trigger over a longer chain, against an override.
+        for (key, line) in [
+            ("fallback_after_failures", "fallback_after_failures = 2"),
+            ("fallback_after_timeouts", "fallback_after_timeouts = 2"),
+            (
+                "fallback_after_connect_failures",
+                "fallback_after_connect_failures = 2",
+            ),
+        ] {
+            let e = refused(&format!(
+                "max_retries = 3\nfallback_threshold = 1\nfallback = [\"a\", \"b\", \"c\"]\n{line}"
+            ));
+            assert_eq!(
+                e,
+                format!(
+                    "[[upstream]] \"openai\": {key} needs 2 failed attempt(s) per fallback \
+                     step, so 2 step(s) down the chain take 4 retries, but max_retries = 3 \
+                     allows 3: the last fallback target can never be reached (fallback steps \
+                     count against max_retries); lower {key}, raise max_retries to 4, or \
+                     shorten fallback"
+                )
+            );
+        }
+        let e = refused(
+            "policy = \"never\"\nfallback_threshold = 1\nfallback = [\"a\", \"b\"]\n\
+             fallback_on_unwaitable_rate_limit = true",
+        );
+        assert!(
+            e.starts_with("[[upstream]] \"openai\": fallback_threshold needs 1 failed attempt(s)"),
+            "{e}"
+        );
+        assert!(e.contains("policy \"never\" (0 retries) allows 0"), "{e}");
+        // Exactly enough is enough.
+        failover("max_retries = 4\nfallback_after_failures = 2\nfallback = [\"a\", \"b\", \"c\"]")
+            .unwrap();
+    }
+
+    #[test]
+    fn keys_that_would_do_nothing_are_refused() {
+        assert_eq!(
+            refused("fallback_after_failures = 0\nfallback = [\"a\", \"b\"]"),
+            "[[upstream]] \"openai\": fallback_after_failures must be at least 1 (leave it out \
+             to turn it off)"
+        );
+        assert_eq!(
+            refused("fallback_after_timeouts = 1"),
+            "[[upstream]] \"openai\": fallback_after_timeouts is set but fallback is empty: add \
+             a fallback target, or leave fallback_after_timeouts out"
+        );
+        assert_eq!(
+            refused("[upstream.circuit]\nfailures = 2"),
+            "[[upstream]] \"openai\": [upstream.circuit] is set but fallback is empty: add a \
+             fallback target, or leave [upstream.circuit] out"
+        );
+        assert_eq!(
+            refused("fallback = [\"a\", \"b\"]\n[upstream.circuit]\ncooldown_secs = 0"),
+            "[[upstream]] \"openai\": circuit.cooldown_secs must be at least 1"
+        );
+        assert_eq!(
+            refused("context_window_fallback = \"big\"\noverflow_repair = false"),
+            "[[upstream]] \"openai\": context_window_fallback needs overflow_repair = true (the \
+             repair sends the request to it)"
+        );
+    }
+
+    #[test]
+    fn fallback_triggers_take_env_overrides() {
+        let mut c = failover("fallback = [\"a\", \"b\"]").unwrap();
+        c.apply_env([
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_OPENAI_FALLBACK_AFTER_FAILURES".into(),
+                "2".into(),
+            ),
+            (
+                "LLM_RETRY_PROXY_UPSTREAM_OPENAI_FALLBACK_AFTER_TIMEOUTS".into(),
+                "1".into(),
+            ),
+        ])
+        .unwrap();
+        assert_eq!(c.upstream[0].fallback_after_failures, Some(2));
+        assert_eq!(c.upstream[0].fallback_after_timeouts, Some(1));
+        let e = c
+            .apply_env([(
+                "LLM_RETRY_PROXY_UPSTREAM_OPENAI_FALLBACK_AFTER_TIMEOUTS".into(),
+                "x".into(),
+            )])
+            .unwrap_err();
+        assert!(e.to_string().contains("expected a number"), "{e}");
     }
 }

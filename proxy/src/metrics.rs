@@ -10,9 +10,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use tower_llm_retry::fallback::CircuitState;
 use tower_llm_retry::fleet::Fleet;
 use tower_llm_retry::retry::{GiveUpReason, RetryEvent, RetryObserver};
-use tower_llm_retry::RetryTrail;
+use tower_llm_retry::{ModelFallbackLayer, RetryTrail};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Up {
@@ -35,6 +36,12 @@ struct Class {
 struct Reason {
     upstream: String,
     reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TargetLabel {
+    upstream: String,
+    target: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -65,8 +72,12 @@ pub struct Metrics {
     upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
     overhead: Histogram,
     in_flight: Gauge,
+    circuit_state: Family<TargetLabel, Gauge>,
     /// The upstreams' fleets, whose own counters some metrics read when rendered.
     fleets: Mutex<Vec<(Up, Fleet)>>,
+    /// The fallback layers with circuits, read when rendered: each with the label of every
+    /// target of its chain, in chain order.
+    circuits: Mutex<Vec<(String, ModelFallbackLayer, Vec<String>)>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -99,7 +110,9 @@ impl Metrics {
             upstream_latency: Family::new_with_constructor(latency),
             overhead: latency(),
             in_flight: Gauge::default(),
+            circuit_state: Family::default(),
             fleets: Mutex::new(Vec::new()),
+            circuits: Mutex::new(Vec::new()),
         };
         let r = &mut m.registry;
         r.register(
@@ -159,7 +172,26 @@ impl Metrics {
             m.overhead.clone(),
         );
         r.register("in_flight", "Requests being handled", m.in_flight.clone());
+        r.register(
+            "circuit_state",
+            "The circuit of each fallback target (upstream/model): 0 closed, 1 half-open, 2 open",
+            m.circuit_state.clone(),
+        );
         m
+    }
+
+    /// Reads the circuits of `layer`, the fallback layer of `upstream`, when rendering;
+    /// `targets` labels its chain's targets in order.
+    pub(crate) fn watch_circuits(
+        &self,
+        upstream: &str,
+        layer: ModelFallbackLayer,
+        targets: Vec<String>,
+    ) {
+        self.circuits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((upstream.into(), layer, targets));
     }
 
     /// Reads `fleet`'s own counters for `upstream` when rendering.
@@ -186,6 +218,24 @@ impl Metrics {
                     if closings > seen {
                         counter.inc_by(closings - seen);
                     }
+                }
+            }
+        }
+        {
+            let circuits = self.circuits.lock().unwrap_or_else(PoisonError::into_inner);
+            for (upstream, layer, targets) in circuits.iter() {
+                for (status, target) in layer.circuit_states().iter().zip(targets) {
+                    let state = match status.state {
+                        CircuitState::Closed => 0,
+                        CircuitState::HalfOpen { .. } => 1,
+                        _ => 2,
+                    };
+                    self.circuit_state
+                        .get_or_create(&TargetLabel {
+                            upstream: upstream.clone(),
+                            target: target.clone(),
+                        })
+                        .set(state);
                 }
             }
         }

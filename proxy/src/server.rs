@@ -28,12 +28,12 @@ use tower_llm_retry::retry::{GiveUpReason, NoRetry};
 use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
 use crate::body::ProxyBody;
-use crate::config::{load_keys, Config, ConfigError, Kind, Preset, Secret};
+use crate::config::{Config, ConfigError, Kind, Preset, Secret};
 use crate::envelope::{self, Reject, StreamStyle};
 use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
 use crate::metrics::{reason_name, Metrics};
 use crate::routes::Routes;
-use crate::stack::{StackFactory, TenantId, Tenants, UpstreamHead};
+use crate::stack::{Peer, StackFactory, TenantId, Tenants, UpstreamHead};
 
 /// Response header: how many attempts the proxy made upstream.
 pub const ATTEMPTS: &str = "x-llm-retry-attempts";
@@ -43,6 +43,11 @@ pub const MODEL: &str = "x-llm-retry-model";
 pub const FALLBACK: &str = "x-llm-retry-fallback";
 /// Response header: why the proxy stopped retrying, when it gave up.
 pub const GAVE_UP: &str = "x-llm-retry-gave-up";
+/// Response header: the name of the upstream that served the response.
+pub const UPSTREAM: &str = "x-llm-retry-upstream";
+/// Response header: every target a request went to, in order of first use, with its
+/// attempts (`upstream/model=attempts`, comma separated), when it took more than one attempt.
+pub const TARGETS: &str = "x-llm-retry-targets";
 
 /// How long a client may take to send a request's headers, and how long a new connection
 /// may stay silent before its first request.
@@ -89,11 +94,17 @@ impl Proxy {
         let metrics = Arc::new(Metrics::new());
         let mut factories = Vec::new();
         let redis = config.redis_store()?;
-        for up in &config.upstream {
-            let keys = load_keys(up)?;
+        // One client and key pool per upstream, shared by its own stack and by every stack
+        // whose fallback chain sends to it.
+        let peers = config
+            .upstream
+            .iter()
+            .map(|up| Peer::new(Arc::new(up.clone())))
+            .collect::<Result<Vec<_>, _>>()?;
+        for index in 0..peers.len() {
             factories.push(StackFactory::new(
-                Arc::new(up.clone()),
-                keys,
+                &peers,
+                index,
                 metrics.clone(),
                 config.max_body_bytes,
                 redis.clone(),
@@ -499,7 +510,15 @@ impl State {
                 let gave_up = trail.and_then(RetryTrail::gave_up);
                 forward::strip_hop_by_hop(&mut head.headers);
                 decorate(&mut head.headers, attempts, gave_up, mode);
-                if let Some(used) = head.extensions.get::<ModelUsed>() {
+                let used = head.extensions.get::<ModelUsed>();
+                let served = factory.upstream_name(used.and_then(|u| u.upstream.as_ref()));
+                if let Ok(v) = HeaderValue::from_str(served) {
+                    head.headers.insert(UPSTREAM, v);
+                }
+                if let Some(used) = used {
+                    if let Some(v) = targets_header(factory, used) {
+                        head.headers.insert(TARGETS, v);
+                    }
                     if let Ok(v) = HeaderValue::from_str(&used.model) {
                         head.headers.insert(MODEL, v);
                     }
@@ -607,6 +626,23 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.in_flight().dec();
     }
+}
+
+/// `upstream/model=attempts,…` for every target `used` went to, when it went to more than
+/// one attempt's worth; `None` for a single attempt.
+fn targets_header(factory: &StackFactory, used: &ModelUsed) -> Option<HeaderValue> {
+    if used.attempts.is_empty() {
+        return None;
+    }
+    let mut out = String::new();
+    for (i, t) in used.attempts.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let name = factory.upstream_name(t.upstream.as_ref());
+        out.push_str(&format!("{name}/{}={}", t.model, t.attempts));
+    }
+    HeaderValue::from_str(&out).ok()
 }
 
 /// The retry switch and preset a request asks for.

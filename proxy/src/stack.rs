@@ -24,13 +24,16 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceExt};
+use http::uri::{Authority, Scheme};
+use http::Uri;
 use tower_llm_retry::auth::{ApiKeyPool, CredentialHeader};
+use tower_llm_retry::fallback::Target;
 use tower_llm_retry::fleet::{BudgetConfig, Fleet, RedisFleet, ScopeKey};
 use tower_llm_retry::{
     AuthLayer, BoxError, ContextOverflowLayer, ModelFallbackLayer, ReplayBody, RetryLayer,
 };
 
-use crate::config::{ConfigError, Kind, Roots, Upstream};
+use crate::config::{load_keys, ConfigError, Kind, Roots, Upstream};
 use crate::metrics::{Metrics, Observer};
 
 /// The body of an upstream response, boxed once the stack's layers have wrapped it.
@@ -99,46 +102,39 @@ pub fn client(up: &Upstream) -> Result<HttpClient, ConfigError> {
     Ok(Client::builder(TokioExecutor::new()).build(https))
 }
 
-/// One upstream's stack, shared by every tenant of the upstream: its fleet keeps their state
-/// apart.
+/// What one upstream lends every stack that sends to it, its own and those whose fallback
+/// chain names it: its HTTP client (its TLS roots, its connection pool) and the keys the
+/// proxy holds for it.
 #[derive(Clone)]
-pub struct StackFactory {
+pub struct Peer {
     upstream: Arc<Upstream>,
-    holds_keys: bool,
-    stack: Stack,
-    fleet: Fleet,
+    client: HttpClient,
+    pool: Option<Arc<ApiKeyPool>>,
+    /// What names the proxy's own keys in a Redis scope: every replica holding the same
+    /// keys shares one fleet for them (only a hash of it reaches Redis).
+    keys_scope: Option<Vec<u8>>,
 }
 
-impl std::fmt::Debug for StackFactory {
+impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StackFactory")
+        f.debug_struct("Peer")
             .field("upstream", &self.upstream.name)
-            .field("holds_keys", &self.holds_keys)
-            .field("fleet", &self.fleet)
+            .field("holds_keys", &self.pool.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl StackFactory {
-    /// The stack of `upstream`; `keys` when the proxy holds them; `redis` when the fleets
-    /// are shared with the other replicas; at most `max_tenants` tenants kept apart.
-    pub fn new(
-        upstream: Arc<Upstream>,
-        keys: Option<Vec<String>>,
-        metrics: Arc<Metrics>,
-        body_limit: usize,
-        redis: Option<RedisFleet>,
-        max_tenants: usize,
-    ) -> Result<Self, ConfigError> {
+impl Peer {
+    /// `upstream`'s client and, when it names a key source, its key pool.
+    pub fn new(upstream: Arc<Upstream>) -> Result<Self, ConfigError> {
         let client = client(&upstream)?;
-        // What names the proxy's own keys in a Redis scope: every replica holding the same
-        // keys shares one fleet for them (only a hash of it reaches Redis).
+        let keys = load_keys(&upstream)?;
         let keys_scope = keys.as_ref().map(|keys| {
             let mut sorted: Vec<&str> = keys.iter().map(String::as_str).collect();
             sorted.sort_unstable();
             sorted.join("\n").into_bytes()
         });
-        let keys = match keys {
+        let pool = match keys {
             None => None,
             Some(keys) => {
                 let header = match upstream.kind {
@@ -154,9 +150,56 @@ impl StackFactory {
                 Some(Arc::new(pool))
             }
         };
+        Ok(Peer {
+            upstream,
+            client,
+            pool,
+            keys_scope,
+        })
+    }
+}
+
+/// One upstream's stack, shared by every tenant of the upstream: its fleet keeps their state
+/// apart.
+#[derive(Clone)]
+pub struct StackFactory {
+    upstream: Arc<Upstream>,
+    holds_keys: bool,
+    stack: Stack,
+    fleet: Fleet,
+    /// The base URL each fallback target on another upstream was given, and that
+    /// upstream's name: what [`ModelUsed`](tower_llm_retry::fallback::ModelUsed) reports
+    /// is mapped back through it.
+    names: Arc<[(Uri, Arc<str>)]>,
+}
+
+impl std::fmt::Debug for StackFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StackFactory")
+            .field("upstream", &self.upstream.name)
+            .field("holds_keys", &self.holds_keys)
+            .field("fleet", &self.fleet)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StackFactory {
+    /// The stack of `peers[index]`, sending to the other peers its fallback chain names;
+    /// `redis` when the fleets are shared with the other replicas; at most `max_tenants`
+    /// tenants kept apart.
+    pub fn new(
+        peers: &[Peer],
+        index: usize,
+        metrics: Arc<Metrics>,
+        body_limit: usize,
+        redis: Option<RedisFleet>,
+        max_tenants: usize,
+    ) -> Result<Self, ConfigError> {
+        let own = &peers[index];
+        let upstream = own.upstream.clone();
         let mut fleet = upstream
             .fleet()
-            .scope_key(tenant_key(upstream.url.clone(), keys_scope))
+            .scope_key(tenant_key(upstream.url.clone(), own.keys_scope.clone()))
             .max_scopes(max_tenants);
         if let Some(store) = redis {
             // Each tenant's scope is named in Redis by the upstream's URL and the credential
@@ -165,20 +208,22 @@ impl StackFactory {
         }
         let fleet = fleet.build();
         metrics.watch_fleet(&upstream.name, fleet.clone());
-        let stack = build(
-            &upstream,
-            client,
-            keys.as_ref(),
-            &metrics,
-            body_limit,
-            &fleet,
-        )?;
+        let (stack, names) = build(peers, index, &metrics, body_limit, &fleet)?;
         Ok(StackFactory {
-            holds_keys: keys.is_some(),
+            holds_keys: own.pool.is_some(),
             upstream,
             stack,
             fleet,
+            names: names.into(),
         })
+    }
+
+    /// The name of the upstream that served a response whose
+    /// [`ModelUsed::upstream`](tower_llm_retry::fallback::ModelUsed::upstream) is `uri`:
+    /// this one for `None`.
+    pub fn upstream_name(&self, uri: Option<&Uri>) -> &str {
+        uri.and_then(|uri| self.names.iter().find(|(u, _)| u == uri))
+            .map_or(self.upstream.name.as_str(), |(_, name)| name)
     }
 
     /// The upstream's settings.
@@ -230,27 +275,138 @@ fn tenant_key(
     }
 }
 
-/// The stack of `up` over `client`, with `fleet`.
-fn build(
-    up: &Upstream,
+/// Where an attempt goes: the client of the upstream whose URL its URI is under.
+struct Route {
+    scheme: Scheme,
+    authority: Authority,
+    /// The upstream URL's path, without a trailing slash.
+    prefix: String,
     client: HttpClient,
-    keys: Option<&Arc<ApiKeyPool>>,
+    name: Arc<str>,
+}
+
+impl Route {
+    fn new(peer: &Peer) -> Result<Self, ConfigError> {
+        let bad = || {
+            ConfigError::from_message(format!(
+                "[[upstream]] {:?}: url {:?} is not a URL with a scheme and host",
+                peer.upstream.name, peer.upstream.url
+            ))
+        };
+        let uri: Uri = peer.upstream.url.parse().map_err(|_| bad())?;
+        let parts = uri.clone().into_parts();
+        Ok(Route {
+            scheme: parts.scheme.ok_or_else(bad)?,
+            authority: parts.authority.ok_or_else(bad)?,
+            prefix: uri.path().trim_end_matches('/').to_owned(),
+            client: peer.client.clone(),
+            name: Arc::from(peer.upstream.name.as_str()),
+        })
+    }
+
+    /// How well `uri` fits this route: the length of the matching path prefix.
+    fn fit(&self, uri: &Uri) -> Option<usize> {
+        let path = uri.path();
+        let under = path.starts_with(&self.prefix)
+            && matches!(path.as_bytes().get(self.prefix.len()), None | Some(b'/'));
+        (uri.scheme() == Some(&self.scheme) && uri.authority() == Some(&self.authority) && under)
+            .then_some(self.prefix.len())
+    }
+}
+
+/// The routes of one stack, its own upstream first. With no fallback target on another
+/// upstream there is one, and an attempt is sent without a look at its URI.
+#[derive(Clone)]
+struct Routes(Arc<[Route]>);
+
+impl Routes {
+    fn pick(&self, uri: &Uri) -> &Route {
+        let routes = &self.0;
+        if routes.len() == 1 {
+            return &routes[0];
+        }
+        let mut best: Option<(&Route, usize)> = None;
+        for route in routes.iter() {
+            if let Some(fit) = route.fit(uri) {
+                if best.map_or(true, |(_, b)| fit > b) {
+                    best = Some((route, fit));
+                }
+            }
+        }
+        best.map_or(&routes[0], |(r, _)| r)
+    }
+}
+
+/// The stack of `peers[index]`, with `fleet`, and the base URL → name of each upstream its
+/// fallback targets send to.
+#[allow(clippy::type_complexity)]
+fn build(
+    peers: &[Peer],
+    index: usize,
     metrics: &Arc<Metrics>,
     body_limit: usize,
     fleet: &Fleet,
-) -> Result<Stack, ConfigError> {
-    let name: Arc<str> = Arc::from(up.name.as_str());
+) -> Result<(Stack, Vec<(Uri, Arc<str>)>), ConfigError> {
+    let own = &peers[index];
+    let up = &*own.upstream;
+    let at = |e: &dyn std::fmt::Display| {
+        ConfigError::from_message(format!("[[upstream]] {:?}: fallback: {e}", up.name))
+    };
+    // The chain: a model on this upstream, or one on a peer, sent to that peer's URL with
+    // that peer's keys (when the proxy holds them: then it holds this upstream's too).
+    let mut routes = vec![Route::new(own)?];
+    let mut names: Vec<(Uri, Arc<str>)> = Vec::new();
+    let mut chain = Vec::with_capacity(up.fallback.len());
+    for t in &up.fallback {
+        let name = t.upstream_or(&up.name);
+        let mut target = Target::new(t.model.as_str());
+        if name != up.name {
+            let peer = peers
+                .iter()
+                .find(|p| p.upstream.name == name)
+                .ok_or_else(|| at(&format!("no upstream named {name:?}")))?;
+            // The library puts the target's URL in front of the request's path, which
+            // carries this upstream's own path already: a target on an upstream with the
+            // same path gets its scheme and host only.
+            let own_path = routes[0].prefix.clone();
+            let route = Route::new(peer)?;
+            let base = if own_path.is_empty() {
+                peer.upstream.url.trim_end_matches('/').to_owned()
+            } else if route.prefix == own_path {
+                format!("{}://{}", route.scheme, route.authority)
+            } else {
+                return Err(at(&format!(
+                    "upstream {name:?} has the path {:?} and this upstream {own_path:?}: a \
+                     target on another upstream needs the same path, or this upstream none",
+                    route.prefix
+                )));
+            };
+            target = target.upstream(&base).map_err(|e| at(&e))?;
+            if let Some(pool) = &peer.pool {
+                target = target.credential(pool.clone());
+            }
+            let uri: Uri = base.parse().map_err(|_| at(&"a bad url"))?;
+            if !names.iter().any(|(u, _)| *u == uri) {
+                names.push((uri, route.name.clone()));
+                routes.push(route);
+            }
+        }
+        chain.push(target);
+    }
+    let routes = Routes(routes.into());
     let timed = {
         let metrics = metrics.clone();
         tower::service_fn(move |req: Request<ReplayBody>| {
             // `request` borrows the client only to start: no clone per attempt.
+            let route = routes.pick(req.uri());
             let start = Instant::now();
-            let sent = client.request(req);
+            let sent = route.client.request(req);
             let metrics = metrics.clone();
-            let name = name.clone();
+            let name = route.name.clone();
             async move {
                 let res = sent.await;
                 let took = start.elapsed();
+                // Counted under the upstream that received the attempt.
                 metrics.attempt(&name, took);
                 let mut res = res.map_err(BoxError::from)?;
                 res.extensions_mut().insert(UpstreamHead(took));
@@ -259,18 +415,39 @@ fn build(
         })
     };
     let mut inner: Inner = BoxCloneSyncService::new(timed);
-    if let Some(pool) = keys {
+    if let Some(pool) = &own.pool {
         inner = boxed(AuthLayer::new(pool.clone()).layer(inner));
     }
     if up.overflow_repair {
-        inner = boxed(ContextOverflowLayer::new().layer(inner));
+        let mut overflow = ContextOverflowLayer::new();
+        if let Some(model) = &up.context_window_fallback {
+            // Inside the fallback layer, so that `ModelUsed` names the model that served.
+            overflow = overflow.context_window_fallback(model.clone());
+        }
+        inner = boxed(overflow.layer(inner));
     }
-    if !up.fallback.is_empty() {
-        let layer = ModelFallbackLayer::new(up.fallback.iter().map(String::as_str))
+    if !chain.is_empty() {
+        let mut layer = ModelFallbackLayer::new(chain)
             .and_then(|l| l.threshold(up.fallback_threshold))
-            .map_err(|e| {
-                ConfigError::from_message(format!("[[upstream]] {:?}: fallback: {e}", up.name))
-            })?;
+            .map_err(|e| at(&e))?;
+        if let Some(n) = up.fallback_after_failures {
+            layer = layer.after_failures(n).map_err(|e| at(&e))?;
+        }
+        if let Some(n) = up.fallback_after_timeouts {
+            layer = layer.after_timeouts(n).map_err(|e| at(&e))?;
+        }
+        // `fallback_after_connect_failures` is parsed and validated; the library's trigger
+        // for it is wired where it is defined.
+        layer = layer.on_unwaitable_rate_limit(up.fallback_on_unwaitable_rate_limit);
+        if let Some(circuit) = &up.circuit {
+            layer = layer.circuit(circuit.circuit()).map_err(|e| at(&e))?;
+            let labels = up
+                .fallback
+                .iter()
+                .map(|t| format!("{}/{}", t.upstream_or(&up.name), t.model))
+                .collect();
+            metrics.watch_circuits(&up.name, layer.clone(), labels);
+        }
         inner = boxed(layer.layer(inner));
     }
     let retry = RetryLayer::new()
@@ -289,7 +466,7 @@ fn build(
             r.map(|b| b.map_err(BoxError::from).boxed_unsync())
         },
     );
-    Ok(BoxCloneSyncService::new(svc))
+    Ok((BoxCloneSyncService::new(svc), names))
 }
 
 fn boxed<S, B>(svc: S) -> Inner

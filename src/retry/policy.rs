@@ -351,8 +351,9 @@ impl RetryPolicy {
         self.deadline
     }
 
-    /// The most retries after the first attempt.
-    pub(crate) fn get_max_retries(&self) -> u32 {
+    /// The most retries after the first attempt, as [`max_retries`](Self::max_retries) set
+    /// it (a configuration that falls back along a chain checks its budget with it).
+    pub fn get_max_retries(&self) -> u32 {
         self.max_retries
     }
 
