@@ -347,9 +347,8 @@ impl<'de> Deserialize<'de> for FallbackTarget {
                 self,
                 map: A,
             ) -> Result<FallbackTarget, A::Error> {
-                let t = FallbackTable::deserialize(serde::de::value::MapAccessDeserializer::new(
-                    map,
-                ))?;
+                let t =
+                    FallbackTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
                 Ok(FallbackTarget {
                     model: t.model,
                     upstream: t.upstream,
@@ -644,10 +643,7 @@ impl Upstream {
             if needed > max_retries {
                 let policy = match self.max_retries {
                     Some(m) => format!("max_retries = {m}"),
-                    None => format!(
-                        "policy {:?} ({max_retries} retries)",
-                        self.policy_name()
-                    ),
+                    None => format!("policy {:?} ({max_retries} retries)", self.policy_name()),
                 };
                 return Err(ConfigError::new(format!(
                     "{at}: {key} needs {n} failed attempt(s) per fallback step, so {steps} \
@@ -1397,7 +1393,11 @@ mod tests {
         assert_eq!(CircuitConfig::default().circuit(), Circuit::new());
         let c = failover("fallback = [\"a\", \"b\"]\n[upstream.circuit]\n").unwrap();
         assert_eq!(c.upstream[0].circuit, Some(CircuitConfig::default()));
-        assert_eq!(Config::default().upstream[0].circuit, None, "no circuits by default");
+        assert_eq!(
+            Config::default().upstream[0].circuit,
+            None,
+            "no circuits by default"
+        );
     }
 
     #[test]
@@ -1465,7 +1465,9 @@ mod tests {
         c.upstream[1].keys_env = None;
         let e = c.validate().unwrap_err().to_string();
         assert!(
-            e.contains("upstream \"openai\" holds keys (keys_env or keys_file) and \"backup\" passes"),
+            e.contains(
+                "upstream \"openai\" holds keys (keys_env or keys_file) and \"backup\" passes"
+            ),
             "{e}"
         );
     }

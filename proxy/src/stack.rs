@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::uri::{Authority, Scheme};
+use http::Uri;
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
@@ -24,8 +26,6 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceExt};
-use http::uri::{Authority, Scheme};
-use http::Uri;
 use tower_llm_retry::auth::{ApiKeyPool, CredentialHeader};
 use tower_llm_retry::fallback::Target;
 use tower_llm_retry::fleet::{BudgetConfig, Fleet, RedisFleet, ScopeKey};
@@ -328,7 +328,7 @@ impl Routes {
         let mut best: Option<(&Route, usize)> = None;
         for route in routes.iter() {
             if let Some(fit) = route.fit(uri) {
-                if best.map_or(true, |(_, b)| fit > b) {
+                if best.is_none_or(|(_, b)| fit > b) {
                     best = Some((route, fit));
                 }
             }

@@ -68,6 +68,30 @@ pub fn config_for(mock: &MockServer) -> Config {
     }
 }
 
+/// Two mocks, each an upstream listener of its own: the proxy's `anthropic` and `openai`
+/// upstreams at `first` (as [`config_for`]), and `anthropic-b` and `openai-b` (prefixes
+/// `/anthropic-b`, `/openai-b`) at `second`. Returns the harness (its `mock` is `first`)
+/// and `second`.
+pub async fn start_two(
+    first: Script,
+    second: Script,
+    tweak: impl FnOnce(&mut Config),
+) -> (Harness, MockServer) {
+    let first = MockServer::start(first).await.unwrap();
+    let second = MockServer::start(second).await.unwrap();
+    let mut config = config_for(&first);
+    let url = second.url("");
+    let url = url.trim_end_matches('/');
+    config
+        .upstream
+        .push(Upstream::new("anthropic-b", Kind::Anthropic, url));
+    config
+        .upstream
+        .push(Upstream::new("openai-b", Kind::OpenAi, url));
+    tweak(&mut config);
+    (serve(first, config).await, second)
+}
+
 pub async fn start(script: Script) -> Harness {
     start_with(script, |_| {}).await
 }
