@@ -615,6 +615,22 @@ impl Upstream {
                         t.model
                     )));
                 }
+                // The target's URL goes in front of the request's path, which carries this
+                // upstream's own path already.
+                let path = |url: &str| {
+                    url.parse::<http::Uri>()
+                        .map(|u| u.path().trim_end_matches('/').to_owned())
+                        .unwrap_or_default()
+                };
+                let (own_path, other_path) = (path(&self.url), path(&other.url));
+                if !own_path.is_empty() && own_path != other_path {
+                    return Err(ConfigError::new(format!(
+                        "{entry} is on upstream {name:?}, whose url has the path \
+                         {other_path:?}, and this upstream's url has {own_path:?}: with a \
+                         path in this upstream's url, a target on another upstream needs the \
+                         same path"
+                    )));
+                }
                 let url = base_url(&other.url);
                 if let Some((same, _)) = urls.iter().find(|(n, u)| *u == url && *n != name) {
                     return Err(ConfigError::new(format!(
@@ -1438,6 +1454,29 @@ mod tests {
         );
         // The same model elsewhere, after this upstream's: accepted.
         failover("fallback = [\"gpt-4o\", { model = \"gpt-4o\", upstream = \"backup\" }]").unwrap();
+        // Upstreams of one chain are told apart by their url, and paths must line up.
+        let mut c =
+            failover("fallback = [\"gpt-4o\", { model = \"gpt-4o\", upstream = \"backup\" }]")
+                .unwrap();
+        c.upstream[1].url = "https://api.openai.com/".into();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.ends_with(
+                "whose url is \"openai\"'s: the upstreams of one chain are told apart by their url"
+            ),
+            "{e}"
+        );
+        c.upstream[0].url = "https://gw.example.com/openai".into();
+        c.upstream[1].url = "https://gw.example.com/backup".into();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "whose url has the path \"/backup\", and this upstream's url has \"/openai\""
+            ),
+            "{e}"
+        );
+        c.upstream[1].url = "https://backup.example.com/openai/".into();
+        c.validate().unwrap();
     }
 
     #[test]
