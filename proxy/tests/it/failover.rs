@@ -336,3 +336,94 @@ async fn the_second_upstream_is_reached_with_its_own_tls_roots() {
     assert_eq!(sha256(&seen[0].body), sha256(MESSAGES.as_bytes()));
     let _ = std::fs::remove_file(&ca);
 }
+
+/// The failover benchmark's fault S06: the primary accepts and never answers. With a 5 s
+/// head timeout and `fallback_after_timeouts = 1`, the second attempt goes to the second
+/// upstream after the first timeout and one backoff.
+#[tokio::test(start_paused = true)]
+async fn a_timeout_falls_over_after_the_first_one() {
+    let (h, second) = start_two(Script::always(Reply::stall()), Script::new(), |c| {
+        let up = upstream(c, "openai");
+        up.head_timeout_secs = Some(5);
+        up.fallback_after_timeouts = Some(1);
+        up.fallback = vec!["gpt-4o".into(), on("openai-b", "gpt-4o")];
+    })
+    .await;
+    let req = h
+        .post("/v1/chat/completions", CHAT)
+        .body(Full::from(CHAT))
+        .unwrap();
+    let res = h.send(req).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(header(&res, "x-llm-retry-upstream"), Some("openai-b"));
+    assert_eq!(
+        header(&res, "x-llm-retry-targets"),
+        Some("openai/gpt-4o=1,openai-b/gpt-4o=1")
+    );
+    let _ = json(res).await;
+    let (first, seen) = (h.mock.requests(), second.requests());
+    assert_eq!((first.len(), seen.len()), (1, 1));
+    // The head timeout, then the first backoff (0.5 s, up to 25 % more).
+    let took = seen[0].received_at - first[0].received_at;
+    assert!(
+        took >= Duration::from_millis(5500) && took <= Duration::from_millis(5625),
+        "{took:?}"
+    );
+}
+
+/// A `429` whose `Retry-After` is above the policy's ceiling would end the request; with
+/// `fallback_on_unwaitable_rate_limit` the retry goes to the second upstream instead.
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_with_nowhere_to_wait_falls_over_at_once() {
+    let (h, second) = start_two(
+        Script::always(Reply::rate_limited("3600")),
+        Script::new(),
+        |c| {
+            let up = upstream(c, "anthropic");
+            up.fallback_on_unwaitable_rate_limit = true;
+            up.fallback = vec![
+                "claude-sonnet-4-5".into(),
+                on("anthropic-b", "claude-sonnet-4-5"),
+            ];
+        },
+    )
+    .await;
+    let res = h.messages(MESSAGES).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(header(&res, "x-llm-retry-upstream"), Some("anthropic-b"));
+    assert_eq!(header(&res, "x-llm-retry-attempts"), Some("2"));
+    let _ = json(res).await;
+    let (first, seen) = (h.mock.requests(), second.requests());
+    assert_eq!((first.len(), seen.len()), (1, 1));
+    let took = seen[0].received_at - first[0].received_at;
+    assert!(took <= Duration::from_millis(625), "{took:?}");
+}
+
+/// A prompt too long for the requested model goes once to the upstream's
+/// `context_window_fallback`, within the same attempt, and the headers name that model.
+#[tokio::test(start_paused = true)]
+async fn a_prompt_too_long_goes_to_the_context_window_fallback() {
+    let script = Script::new().when(|req| {
+        let model = req.json().ok()?.get("model")?.as_str()?.to_owned();
+        (model == "claude-sonnet-4-5").then(|| Reply::prompt_too_long(250_000, 200_000))
+    });
+    let h = start_with(script, |c| {
+        c.upstream[0].context_window_fallback = Some("claude-sonnet-4-5-1m".into());
+        c.upstream[0].fallback = vec!["claude-sonnet-4-5".into(), "claude-haiku-4-5".into()];
+    })
+    .await;
+    let res = h.messages(MESSAGES).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(header(&res, "x-llm-retry-attempts"), Some("1"));
+    assert_eq!(
+        header(&res, "x-llm-retry-model"),
+        Some("claude-sonnet-4-5-1m")
+    );
+    assert_eq!(header(&res, "x-llm-retry-upstream"), Some("anthropic"));
+    assert_eq!(json(res).await["model"], "claude-sonnet-4-5-1m");
+    let seen = h.mock.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(sha256(&seen[0].body), sha256(MESSAGES.as_bytes()));
+    let moved = MESSAGES.replace("claude-sonnet-4-5", "claude-sonnet-4-5-1m");
+    assert_eq!(sha256(&seen[1].body), sha256(moved.as_bytes()));
+}
