@@ -511,10 +511,10 @@ impl State {
                 forward::strip_hop_by_hop(&mut head.headers);
                 decorate(&mut head.headers, attempts, gave_up, mode);
                 let used = head.extensions.get::<ModelUsed>();
-                let served = factory.upstream_name(used.and_then(|u| u.upstream.as_ref()));
-                if let Ok(v) = HeaderValue::from_str(served) {
-                    head.headers.insert(UPSTREAM, v);
-                }
+                head.headers.insert(
+                    UPSTREAM,
+                    factory.upstream_header(used.and_then(|u| u.upstream.as_ref())),
+                );
                 if let Some(used) = used {
                     if let Some(v) = targets_header(factory, used) {
                         head.headers.insert(TARGETS, v);

@@ -3,6 +3,11 @@
 //! over rustls with HTTP/2. Its fleet keeps a budget, cooldown gate and pacing per tenant (the
 //! upstream and the credential the requests go out with), in the library's bounded scope map:
 //! one tenant's `429` never holds another's requests.
+//!
+//! A fallback target on another upstream is a library [`Target`] with that upstream's URL
+//! and key pool; its attempts go out on that upstream's own client (its TLS roots, its
+//! pool), picked by the attempt's scheme, authority and path from a table made at start-up
+//! (with no such target, the table has one entry and no lookup is made).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
 use http::Uri;
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -170,7 +175,9 @@ pub struct StackFactory {
     /// The base URL each fallback target on another upstream was given, and that
     /// upstream's name: what [`ModelUsed`](tower_llm_retry::fallback::ModelUsed) reports
     /// is mapped back through it.
-    names: Arc<[(Uri, Arc<str>)]>,
+    names: Arc<[(Uri, Arc<str>, HeaderValue)]>,
+    /// This upstream's name as a header value, made once.
+    header: HeaderValue,
 }
 
 impl std::fmt::Debug for StackFactory {
@@ -209,12 +216,20 @@ impl StackFactory {
         let fleet = fleet.build();
         metrics.watch_fleet(&upstream.name, fleet.clone());
         let (stack, names) = build(peers, index, &metrics, body_limit, &fleet)?;
+        // Names are ASCII letters, digits, '-' and '_' (`Config::validate`).
+        let header = |name: &str| HeaderValue::from_str(name).ok();
+        let names = names
+            .into_iter()
+            .filter_map(|(uri, name)| Some((uri, name.clone(), header(&name)?)))
+            .collect();
         Ok(StackFactory {
             holds_keys: own.pool.is_some(),
+            header: header(&upstream.name)
+                .ok_or_else(|| ConfigError::from_message("an upstream name is not ASCII"))?,
             upstream,
             stack,
             fleet,
-            names: names.into(),
+            names,
         })
     }
 
@@ -222,8 +237,15 @@ impl StackFactory {
     /// [`ModelUsed::upstream`](tower_llm_retry::fallback::ModelUsed::upstream) is `uri`:
     /// this one for `None`.
     pub fn upstream_name(&self, uri: Option<&Uri>) -> &str {
-        uri.and_then(|uri| self.names.iter().find(|(u, _)| u == uri))
-            .map_or(self.upstream.name.as_str(), |(_, name)| name)
+        uri.and_then(|uri| self.names.iter().find(|(u, ..)| u == uri))
+            .map_or(self.upstream.name.as_str(), |(_, name, _)| name)
+    }
+
+    /// [`upstream_name`](Self::upstream_name) as a header value, made at start-up.
+    pub fn upstream_header(&self, uri: Option<&Uri>) -> HeaderValue {
+        uri.and_then(|uri| self.names.iter().find(|(u, ..)| u == uri))
+            .map_or(&self.header, |(.., header)| header)
+            .clone()
     }
 
     /// The upstream's settings.
