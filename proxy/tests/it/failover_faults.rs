@@ -164,10 +164,10 @@ fn openai_error(status: u16, kind: &str, code: &str, message: &str) -> Reply {
 /// The first-output timeout is 10 s, not 15: a move to the fallback sleeps a backoff
 /// (up to 0.5 s), so a 15 s limit could not end S07 within the benchmark's 15 s.
 ///
-/// Until this build's `Config` knows the failover keys it refuses them; the same TOML
-/// without them (the lines [`fault_toml`] marks) is then used, so the faults the proxy
-/// already passes run today. [`the_fault_config_is_the_agreed_shape`] holds the whole
-/// shape to parse and validate.
+/// A build whose `Config` does not know the failover keys refuses them; the same TOML
+/// without them is then used, so the faults the proxy passes without failover run there
+/// too. [`the_fault_config_is_the_agreed_shape`] holds the whole shape to parse and
+/// validate: once the failover keys are in, this fallback is dead and can go.
 fn fault_config(primary: &MockServer, fallback: &MockServer, dialect: Dialect) -> Config {
     let (primary, fallback) = (base_url(primary), base_url(fallback));
     let config = Config::from_toml(&fault_toml(&primary, &fallback, dialect, true))
@@ -306,14 +306,27 @@ fn prelude(dialect: Dialect) -> usize {
 /// ([`prelude`] frames), one frame a word, then the terminal events (OpenAI: the
 /// `finish_reason` chunk, the usage chunk when asked for, `[DONE]`; Anthropic:
 /// `content_block_stop`, `message_delta` with the usage, `message_stop`).
-fn stream(dialect: Dialect, model: &str, words: &[String], usage: bool) -> Vec<SseFrame> {
+///
+/// A continuation's stream has ids of its own (`chatcmpl-resumed`, `msg_resumed`), as a
+/// provider's second answer does: one message spliced from two shows one id only.
+fn stream(
+    dialect: Dialect,
+    model: &str,
+    words: &[String],
+    usage: bool,
+    continuation: bool,
+) -> Vec<SseFrame> {
     let n = words.len();
+    let (chunk_id, message_id) = match continuation {
+        false => ("chatcmpl-fault", "msg_fault"),
+        true => ("chatcmpl-resumed", "msg_resumed"),
+    };
     let mut frames = Vec::with_capacity(n + 6);
     match dialect {
         Dialect::OpenAi => {
             let chunk = |delta: Value, finish: Value| {
                 let c = json!({
-                    "id": "chatcmpl-fault",
+                    "id": chunk_id,
                     "object": "chat.completion.chunk",
                     "created": 1_700_000_000,
                     "model": model,
@@ -331,7 +344,7 @@ fn stream(dialect: Dialect, model: &str, words: &[String], usage: bool) -> Vec<S
             frames.push(chunk(json!({}), json!("stop")));
             if usage {
                 let c = json!({
-                    "id": "chatcmpl-fault",
+                    "id": chunk_id,
                     "object": "chat.completion.chunk",
                     "created": 1_700_000_000,
                     "model": model,
@@ -347,7 +360,7 @@ fn stream(dialect: Dialect, model: &str, words: &[String], usage: bool) -> Vec<S
             frames.push(event(
                 "message_start",
                 json!({"type": "message_start", "message": {
-                    "id": "msg_fault", "type": "message", "role": "assistant", "model": model,
+                    "id": message_id, "type": "message", "role": "assistant", "model": model,
                     "content": [], "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": 14, "output_tokens": 1},
                 }}),
@@ -385,12 +398,13 @@ fn answer(dialect: Dialect, req: &RecordedRequest) -> Reply {
         &model_of(req),
         &words[from..],
         include_usage(req),
+        from > 0,
     ))
 }
 
 /// The first request's stream up to and including word `k`, without its terminal events.
 fn first_words(dialect: Dialect, k: usize) -> Vec<SseFrame> {
-    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true);
+    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true, false);
     frames.truncate(prelude(dialect) + k);
     frames
 }
@@ -1098,7 +1112,7 @@ async fn s06(dialect: Dialect) {
 /// S07: the head at once, the first word after 20 s: left at the first-output timeout.
 async fn s07(dialect: Dialect) {
     let slow = {
-        let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true);
+        let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true, false);
         // The first event that shows output: OpenAI's first content chunk (the role chunk
         // before it shows none), Anthropic's `content_block_start`.
         frames[1] = frames[1].clone().after(Duration::from_secs(20));
@@ -1205,7 +1219,7 @@ async fn s09(dialect: Dialect) {
 
 /// S10: the tenth event of the stream is invalid JSON; the stream otherwise completes.
 async fn s10(dialect: Dialect) {
-    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true);
+    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true, false);
     let malformed = match dialect {
         Dialect::OpenAi => SseFrame::raw(
             &b"data: {\"id\": \"chatcmpl-fault\", \"object\": \"chat.completion.chunk\", \"choices\": [{\"delta\": {\"content\": \n\n"[..],
@@ -1248,7 +1262,7 @@ async fn s10(dialect: Dialect) {
 /// S11: a complete stream without its last sentinel (OpenAI: `data: [DONE]`; Anthropic:
 /// `message_stop`, after the `message_delta` with the stop reason and the usage).
 async fn s11(dialect: Dialect) {
-    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true);
+    let mut frames = stream(dialect, PRIMARY_MODEL, &tokens(), true, false);
     frames.pop();
     let (h, fallback, o) = run(
         dialect,
@@ -1765,14 +1779,16 @@ async fn the_upstreams_continue_from_the_text_a_request_carries() {
                 .unwrap();
             client.request(req)
         };
-        let rest = |raw: Bytes| read_stream(raw).text;
-
         for (mock, body) in [(&plain, &prefill), (&strict, &instruction)] {
             let res = send(mock, body).await.unwrap();
             assert_eq!(res.status(), 200, "{dialect:?}");
             let (frames, end) = frames(res).await;
             end.unwrap();
-            assert_eq!(partial.clone() + &rest(joined(&frames)), CANONICAL);
+            let rest = read_stream(joined(&frames));
+            assert_eq!(partial.clone() + &rest.text, CANONICAL);
+            if dialect == Dialect::OpenAi {
+                assert_eq!(rest.ids, BTreeSet::from(["chatcmpl-resumed".to_owned()]));
+            }
         }
         let res = send(&strict, &prefill).await.unwrap();
         assert_eq!(res.status(), 400, "{dialect:?}");
