@@ -359,6 +359,10 @@ async fn respond_to(
         if !event.delay.is_zero() {
             tokio::time::sleep(event.delay).await;
         }
+        if event.bytes().is_empty() {
+            // A silence: nothing to write.
+            continue;
+        }
         if send.send_data(event.bytes(), false).is_err() {
             return;
         }

@@ -127,6 +127,43 @@ impl Script {
         })
     }
 
+    /// Answers `400` to every request whose last message is an assistant
+    /// message (a prefill), as models that accept no prefill do; a rule, as
+    /// [`Script::when`] adds. The body is OpenAI's error shape (code
+    /// `invalid_prefill`) on paths ending in `/chat/completions`, Anthropic's
+    /// (`invalid_request_error`) on every other path.
+    ///
+    /// ```
+    /// use tower_llm_retry::mock::Script;
+    ///
+    /// // Continuations must come as an instruction, never as a prefill.
+    /// let script = Script::new().reject_prefill();
+    /// # drop(script);
+    /// ```
+    pub fn reject_prefill(self) -> Self {
+        self.when(|req| {
+            let body = req.json().ok()?;
+            let last = body.get("messages")?.as_array()?.last()?;
+            (last.get("role")?.as_str()? == "assistant").then(|| {
+                let message = "This model does not support assistant message prefill. \
+                               The conversation must end with a user message.";
+                if req.uri.path().ends_with("/chat/completions") {
+                    let body = object! {
+                        "error": object! {
+                            "message": message,
+                            "type": "invalid_request_error",
+                            "param": "messages",
+                            "code": "invalid_prefill",
+                        },
+                    };
+                    Reply::status(400).json_text(body.into_string())
+                } else {
+                    Reply::anthropic_error(400, "invalid_request_error", message)
+                }
+            })
+        })
+    }
+
     /// Creates a script that answers every request with `reply`.
     pub fn always(reply: Reply) -> Self {
         Self::new().otherwise(reply)
@@ -653,6 +690,25 @@ impl SseFrame {
             bytes: bytes.into(),
             delay: Duration::ZERO,
         }
+    }
+
+    /// A frame of no bytes that waits `d`: the stream goes silent for `d`
+    /// before whatever comes next, its next event or its end (a clean end, a
+    /// reset or a stall). Nothing is written for it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_llm_retry::mock::{sse, Reply, SseFrame};
+    ///
+    /// // Two events, 30 s of silence, then the connection is cut.
+    /// let mut events = sse::openai_chat(&["Hello", " there"]);
+    /// events.truncate(2);
+    /// events.push(SseFrame::silence(Duration::from_secs(30)));
+    /// let reply = Reply::sse_then_reset(events);
+    /// # drop(reply);
+    /// ```
+    pub fn silence(d: Duration) -> Self {
+        Self::raw(Bytes::new()).after(d)
     }
 
     /// Waits `d` before writing this event.

@@ -612,7 +612,7 @@ impl Body for MockBody {
                 sleep,
                 yielded,
             } => {
-                if let Some(event) = events.front() {
+                while let Some(event) = events.front() {
                     if !event.delay.is_zero() {
                         let delay = event.delay;
                         let timer =
@@ -621,7 +621,10 @@ impl Body for MockBody {
                         *sleep = None;
                     }
                     let event = events.pop_front().expect("front exists");
-                    return Poll::Ready(Some(Ok(Frame::data(event.bytes()))));
+                    // A silence writes nothing: an empty frame would be no frame at all.
+                    if !event.bytes().is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(event.bytes()))));
+                    }
                 }
                 match end {
                     End::Finish => Poll::Ready(None),

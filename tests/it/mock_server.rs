@@ -654,3 +654,64 @@ async fn shutdown_fails_in_flight_client_requests() {
         .unwrap_err();
     assert!(!err.is_connect(), "{err:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_silence_holds_the_stream_quiet_before_it_is_cut() {
+    let first = SseFrame::new("ping", "{}");
+    let events = vec![first.clone(), SseFrame::silence(Duration::from_secs(30))];
+    let server = MockServer::start(Script::new().then(Reply::sse_then_reset(events)))
+        .await
+        .unwrap();
+
+    let t0 = Instant::now();
+    let response = post(&client(), &server, "/v1/messages", "{}")
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let got = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(got, first.bytes());
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+    // Nothing is written for the silence: the next thing the client sees is the cut.
+    let end = body.frame().await.unwrap();
+    assert!(end.is_err(), "{end:?}");
+    assert_eq!(t0.elapsed(), Duration::from_secs(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reject_prefill_refuses_an_assistant_message_last_in_either_shape() {
+    let server = MockServer::start(Script::new().reject_prefill())
+        .await
+        .unwrap();
+    let client = client();
+    const PREFILL: &str = r#"{"model":"m","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]}"#;
+    const USER_LAST: &str = r#"{"model":"m","messages":[{"role":"user","content":"Hi"}]}"#;
+
+    let res = post(&client, &server, "/v1/chat/completions", PREFILL)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let body = body_json(res).await;
+    assert_eq!(body["error"]["code"], "invalid_prefill");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert_eq!(body["error"]["param"], "messages");
+
+    let res = post(&client, &server, "/v1/messages", PREFILL)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let body = body_json(res).await;
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("does not support assistant message prefill"));
+
+    // A conversation that ends with the user is answered as the script says.
+    for path in ["/v1/chat/completions", "/v1/messages"] {
+        let res = post(&client, &server, path, USER_LAST).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "{path}");
+        let _ = body_bytes(res).await;
+    }
+    assert_eq!(server.request_count(), 4);
+}

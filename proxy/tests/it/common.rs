@@ -213,3 +213,21 @@ pub async fn json(res: Response<Incoming>) -> serde_json::Value {
 pub fn header<'a, B>(res: &'a Response<B>, name: &str) -> Option<&'a str> {
     res.headers().get(name).and_then(|v| v.to_str().ok())
 }
+
+/// Two upstream listeners, a primary and a fallback, and the proxy in front of both: the
+/// harness's `mock` is the primary; the fallback is returned beside it.
+pub async fn start_two(
+    primary: Script,
+    fallback: Script,
+    config: impl FnOnce(&MockServer, &MockServer) -> Config,
+) -> (Harness, MockServer) {
+    let primary = MockServer::start(primary).await.unwrap();
+    let fallback = MockServer::start(fallback).await.unwrap();
+    let config = config(&primary, &fallback);
+    (serve(primary, config).await, fallback)
+}
+
+/// A mock's base URL, without the trailing slash, as a config's `url` takes it.
+pub fn base_url(mock: &MockServer) -> String {
+    mock.url("").trim_end_matches('/').to_owned()
+}

@@ -6,6 +6,7 @@ mod common;
 
 mod bad_input;
 mod failover;
+mod failover_faults;
 mod forwarding;
 mod ops;
 mod replicas;
