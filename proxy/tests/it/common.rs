@@ -216,7 +216,7 @@ pub fn header<'a, B>(res: &'a Response<B>, name: &str) -> Option<&'a str> {
 
 /// Two upstream listeners, a primary and a fallback, and the proxy in front of both: the
 /// harness's `mock` is the primary; the fallback is returned beside it.
-pub async fn start_two(
+pub async fn start_pair(
     primary: Script,
     fallback: Script,
     config: impl FnOnce(&MockServer, &MockServer) -> Config,

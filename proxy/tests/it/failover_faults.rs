@@ -890,7 +890,7 @@ async fn run(
     fallback_script: Script,
     max_wall: Duration,
 ) -> (Harness, MockServer, Outcome) {
-    let (h, fallback) = start_two(primary_script, fallback_script, |p, f| {
+    let (h, fallback) = start_pair(primary_script, fallback_script, |p, f| {
         fault_config(p, f, dialect)
     })
     .await;
@@ -1433,7 +1433,7 @@ async fn s15(dialect: Dialect) {
     let down = Duration::from_secs(60);
     let t0 = Instant::now();
     let overloaded = dialect.overloaded();
-    let (h, fallback) = start_two(
+    let (h, fallback) = start_pair(
         primary(dialect, move |_, req| {
             (req.received_at - t0 < down).then(|| overloaded.clone())
         }),
