@@ -1161,3 +1161,59 @@ async fn a_reset_after_the_request_was_sent_is_no_connect_failure() {
     let models: Vec<String> = server.requests().iter().map(model_of).collect();
     assert_eq!(models, [PRIMARY; 3]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn connect_failures_count_against_the_circuit_when_their_trigger_is_on() {
+    let server = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let dead = closed_port();
+    let layer = |connects: bool| {
+        let layer = ModelFallbackLayer::new([
+            Target::new(PRIMARY).upstream(&dead).unwrap(),
+            Target::new(FALLBACK).upstream(&server.url("")).unwrap(),
+        ])
+        .unwrap()
+        .after_timeouts(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(1).cooldown(Duration::from_secs(60)))
+        .unwrap();
+        match connects {
+            true => layer.after_connect_failures(1).unwrap(),
+            false => layer,
+        }
+    };
+    // The trigger on: the refused attempt opens the primary's circuit, and the next request
+    // goes straight to the fallback.
+    let on = layer(true);
+    let svc = retried(&on);
+    let start = Instant::now();
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.extensions().get::<ModelUsed>().unwrap().model, FALLBACK);
+    }
+    assert_eq!(
+        seen(&server, start),
+        [
+            (FALLBACK.to_owned(), ms(500)),
+            (FALLBACK.to_owned(), ms(500))
+        ]
+    );
+    assert!(matches!(
+        on.circuit_states()[0].state,
+        CircuitState::Open { .. }
+    ));
+
+    // Off: a refused connection is no failure of the layer's trigger classes.
+    let off = layer(false);
+    let err = retried(&off)
+        .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    assert!(off.circuit_states()[0].state.is_closed());
+}
