@@ -287,13 +287,13 @@ pub(crate) struct Failed {
 
 impl Failed {
     /// The record of a failed attempt of `class`, from the loop's classification `c`:
-    /// `timed_out` when the attempt's error says it timed out, `not_sent` when it proves the
-    /// request was never sent.
+    /// `timed_out` when the attempt's error says it timed out, `connect_failed` when it
+    /// proves the attempt never got a connection.
     pub(crate) fn of(
         class: FailureClass,
         c: &Classification,
         timed_out: bool,
-        not_sent: bool,
+        connect_failed: bool,
         keys_resting: bool,
         retry_after_max: Duration,
         level: Option<u32>,
@@ -302,7 +302,7 @@ impl Failed {
             class,
             retryable: c.is_retryable(),
             timed_out: class == FailureClass::Timeout || timed_out,
-            connect_failed: not_sent && class != FailureClass::NotProcessed,
+            connect_failed: connect_failed && class != FailureClass::NotProcessed,
             unwaitable: class == FailureClass::RateLimited
                 && (keys_resting || c.retry_after().is_some_and(|ra| ra > retry_after_max)),
             level,

@@ -630,7 +630,9 @@ where
             class,
             c,
             error.is_some_and(timed_out),
-            not_sent,
+            // Not sent, and not for an HTTP/2 proof (which comes on a connection that was up,
+            // whatever a custom classifier calls it).
+            not_sent && !error.is_some_and(crate::classify::never_processed),
             remark.keys_resting,
             self.policy().get_retry_after_max(),
             remark.level,
