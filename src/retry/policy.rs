@@ -330,19 +330,22 @@ impl RetryPolicy {
     }
 
     /// How long an event stream may take, from its response head, to its first output (the
-    /// commit point: the first event that shows output, see [`stream`](crate::stream)).
-    /// An attempt with no output by then is a timeout before the commit point: it fails with
+    /// commit point: the first event that shows output, see [`stream`](crate::stream)). An
+    /// attempt with no output by then is a timeout before the commit point: it fails with
     /// class [`Timeout`](crate::classify::FailureClass::Timeout) (its error a
     /// [`TimedOut`](crate::retry::TimedOut) of kind
     /// [`FirstOutput`](crate::retry::TimeoutKind::FirstOutput)), is retried like any
     /// retryable failure, and counts toward a fallback layer's timeout trigger
-    /// ([`after_timeouts`]) as a head timeout does. Keep-alive and set-up events (`ping`, `message_start`, a role-only
-    /// chunk) do not stop the clock; the idle timeout still applies between them. Never
-    /// after output: a stream that has shown output is bounded only by the idle timeout.
-    /// When the [deadline](Self::deadline) is nearer, it ends the read first. Only with the
-    /// SSE gate on ([`RetryLayer::sse_gate`](crate::RetryLayer::sse_gate), the default);
-    /// bodies that are not event streams are not timed. `None`: no such limit. Defaults to
-    /// `None`.
+    /// ([`after_timeouts`]) as a head timeout does. When no retry is left, the caller gets
+    /// the response, whose body yields the events that came, then fails with
+    /// [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout). Keep-alive and set-up
+    /// events (`ping`, `message_start`, a role-only chunk) do not stop the clock; the idle
+    /// timeout still applies between them. Never after output: a stream that has shown
+    /// output is bounded by the idle timeout alone. When the [deadline](Self::deadline) is
+    /// nearer, it ends the read first, with
+    /// [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded). Only with the SSE
+    /// gate on ([`RetryLayer::sse_gate`](crate::RetryLayer::sse_gate), the default); bodies
+    /// that are not event streams are not timed. `None`: no such limit. Defaults to `None`.
     ///
     #[cfg_attr(
         feature = "fallback",
