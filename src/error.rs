@@ -48,7 +48,9 @@ pub enum ErrorKind {
     #[cfg(feature = "auth")]
     #[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
     TokenRefresh,
-    /// A response body went quiet for longer than the idle timeout.
+    /// A response body went quiet for longer than the idle timeout, or (when no retry was
+    /// left) an event stream showed no output within the first-output timeout; the source, a
+    /// [`TimedOut`](crate::retry::TimedOut), says which.
     IdleTimeout,
     /// Reading the response body failed after it was handed to the caller (for a stream:
     /// after the commit point, when nothing is re-sent).
@@ -319,6 +321,9 @@ pub enum TimeoutKind {
     Head,
     /// No body frame arrived in time.
     Idle,
+    /// An event stream showed no output in time after its head
+    /// ([`RetryPolicy::first_output_timeout`](crate::RetryPolicy::first_output_timeout)).
+    FirstOutput,
 }
 
 impl TimedOut {
@@ -342,6 +347,9 @@ impl fmt::Display for TimedOut {
         match self.what {
             TimeoutKind::Head => write!(f, "no response head within {:?}", self.after),
             TimeoutKind::Idle => write!(f, "response body idle for {:?}", self.after),
+            TimeoutKind::FirstOutput => {
+                write!(f, "no output in the event stream within {:?}", self.after)
+            }
         }
     }
 }

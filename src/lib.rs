@@ -47,8 +47,8 @@
 //! ```
 //!
 //! - [`ModelFallbackLayer`] ([`fallback`]): after 3 consecutive overloads of a request (or
-//!   failures of other configured classes: any retryable failure, timeouts, a rate limit with
-//!   nowhere to wait), the next attempt goes to the next target of a chain, another model or
+//!   failures of other configured classes: any retryable failure, timeouts, connect failures,
+//!   a rate limit with nowhere to wait), the next attempt goes to the next target of a chain, another model or
 //!   another upstream, each target with an optional circuit; or, in signal mode, the caller is
 //!   told to switch.
 //! - [`ContextOverflowLayer`] ([`overflow`]): a `max_tokens` that does not fit the context

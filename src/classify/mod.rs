@@ -22,7 +22,7 @@
 //! | 3 | 2xx | success (`x-should-retry` is not read) | — |
 //! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 5–10 give | as below |
 //! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
-//! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, or for a 429 or 5xx whose body says `overloaded_error` |
+//! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, for a 429 or 5xx whose body says `overloaded_error`, and for a 5xx whose body is OpenAI's overload: a `code` or `type` of `overloaded` or `server_is_overloaded`, or a message that starts "The server is overloaded or not ready yet" (any case) |
 //! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
 //! | 8 | 401 | no retry ([`AuthLayer`] refreshes once) | `Unauthorized` |
 //! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
@@ -31,7 +31,8 @@
 //! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
 //! (64 KiB by default); the caller still receives the whole body. A body that is not JSON, or
 //! is cut at the peek limit, is searched for the quoted codes only (`"overloaded_error"`, the
-//! quota codes, `"context_length_exceeded"`), which no prose message contains by accident.
+//! quota codes, `"server_is_overloaded"`, `"overloaded"`, `"context_length_exceeded"`), which no
+//! prose message contains by accident.
 //!
 //! In-band errors of a `2xx` `text/event-stream` response are judged by
 //! [`Classify::classify_sse_event`]; the default maps each to its HTTP twin (see
@@ -145,7 +146,9 @@ pub enum FailureClass {
     Conflict,
     /// 429 Too Many Requests (a rate limit, not an exhausted quota).
     RateLimited,
-    /// 529, or any error whose body says `overloaded_error`.
+    /// 529, any error whose body says `overloaded_error`, or a 5xx whose body is OpenAI's
+    /// overload (`overloaded`, `server_is_overloaded`, "The server is overloaded or not
+    /// ready yet.").
     Overloaded,
     /// Any other 5xx.
     Server,
@@ -439,6 +442,10 @@ impl Classify for DefaultClassifier {
             {
                 FailureClass::Overloaded
             }
+            // OpenAI's overload is a 503; its codes on another status are not read as one.
+            Some(FailureClass::Server) if signal == BodySignal::ServerOverloaded => {
+                FailureClass::Overloaded
+            }
             Some(FailureClass::RateLimited) if signal == BodySignal::QuotaExhausted => {
                 FailureClass::QuotaExhausted
             }
@@ -633,6 +640,39 @@ mod tests {
         );
         assert_eq!(c.class(), Some(FailureClass::Overloaded));
         assert!(c.is_retryable());
+        // OpenAI's overload: a 5xx is an overload; the same body on a 4xx is not.
+        let openai = r#"{"error":{"message":"The server is overloaded or not ready yet.","type":"server_error","param":null,"code":null}}"#;
+        for status in [500, 502, 503] {
+            let c = classify(status, &[], openai);
+            assert_eq!(c.class(), Some(FailureClass::Overloaded), "{status}");
+            assert!(c.is_retryable());
+        }
+        let c = classify(
+            503,
+            &[],
+            r#"{"error":{"message":"busy","type":"server_error","code":"server_is_overloaded"}}"#,
+        );
+        assert_eq!(c.class(), Some(FailureClass::Overloaded));
+        assert_eq!(
+            classify(400, &[], openai).class(),
+            Some(FailureClass::Client)
+        );
+        assert_eq!(
+            classify(429, &[], openai).class(),
+            Some(FailureClass::RateLimited)
+        );
+        let c = classify(503, &[("x-should-retry", "false")], openai);
+        assert_eq!(
+            (c.class(), c.is_retryable()),
+            (Some(FailureClass::Overloaded), false)
+        );
+        // Any other 503 body is a plain server error.
+        let c = classify(
+            503,
+            &[],
+            r#"{"error":{"message":"Service Unavailable","type":"server_error","code":null}}"#,
+        );
+        assert_eq!(c.class(), Some(FailureClass::Server));
         let c = classify(
             400,
             &[],

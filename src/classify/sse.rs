@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 
 use super::{Classification, FailureClass};
+use crate::provider::error_body::says_server_overloaded;
 use crate::stream::SseEvent;
 
 /// What one SSE event means to the gate.
@@ -136,6 +137,8 @@ fn error_twin(data: &str) -> Classification {
         #[serde(borrow, default)]
         code: Option<Cow<'a, str>>,
         #[serde(borrow, default)]
+        message: Option<Cow<'a, str>>,
+        #[serde(borrow, default)]
         response: Option<Resp<'a>>,
     }
     #[derive(Deserialize)]
@@ -149,18 +152,29 @@ fn error_twin(data: &str) -> Classification {
         kind: Option<Cow<'a, str>>,
         #[serde(borrow, default)]
         code: Option<Cow<'a, str>>,
+        #[serde(borrow, default)]
+        message: Option<Cow<'a, str>>,
     }
     let mut names: Vec<String> = Vec::new();
+    // OpenAI's overload, told by its code or its message (as in an error body).
+    let mut server_overloaded = false;
     if let Ok(o) = serde_json::from_str::<Outer<'_>>(data) {
         let inners = o.error.into_iter().chain(o.response.and_then(|r| r.error));
         for i in inners {
+            server_overloaded |= says_server_overloaded(
+                i.kind.as_deref().unwrap_or(""),
+                i.code.as_deref().unwrap_or(""),
+                i.message.as_deref(),
+            );
             names.extend(i.kind.map(Cow::into_owned));
             names.extend(i.code.map(Cow::into_owned));
         }
+        server_overloaded |=
+            says_server_overloaded("", o.code.as_deref().unwrap_or(""), o.message.as_deref());
         names.extend(o.code.map(Cow::into_owned));
     }
     let has = |n: &str| names.iter().any(|x| x == n);
-    if has("overloaded_error") || has("server_is_overloaded") {
+    if has("overloaded_error") || server_overloaded {
         Classification::retry(FailureClass::Overloaded)
     } else if has("rate_limit_error") || has("rate_limit_exceeded") {
         Classification::retry(FailureClass::RateLimited)
@@ -247,6 +261,12 @@ mod tests {
             verdict(None, err),
             SseVerdict::Error(Classification::retry(FailureClass::Server))
         );
+        // OpenAI's overload, by its message or its code.
+        let overloaded = SseVerdict::Error(Classification::retry(FailureClass::Overloaded));
+        let err = r#"{"error":{"message":"The server is overloaded or not ready yet.","type":"server_error","code":null}}"#;
+        assert_eq!(verdict(None, err), overloaded);
+        let err = r#"{"error":{"message":"busy","type":"server_error","code":"overloaded"}}"#;
+        assert_eq!(verdict(None, err), overloaded);
     }
 
     #[test]
@@ -286,6 +306,29 @@ mod tests {
         assert_eq!(
             verdict(None, r#"{"type":"response.output_text.delta","delta":"x"}"#),
             SseVerdict::Output
+        );
+        // The in-band overload, as an `error` event and inside `response.failed`.
+        let overloaded = SseVerdict::Error(Classification::retry(FailureClass::Overloaded));
+        assert_eq!(
+            verdict(
+                Some("error"),
+                r#"{"type":"error","code":"server_is_overloaded","message":"The server is overloaded","param":null}"#
+            ),
+            overloaded
+        );
+        assert_eq!(
+            verdict(
+                Some("response.failed"),
+                r#"{"type":"response.failed","response":{"status":"failed","error":{"code":"server_is_overloaded","message":"Try again later"}}}"#
+            ),
+            overloaded
+        );
+        assert_eq!(
+            verdict(
+                Some("error"),
+                r#"{"type":"error","code":"server_error","message":"The server had an error"}"#
+            ),
+            SseVerdict::Error(Classification::retry(FailureClass::Server))
         );
     }
 }

@@ -211,6 +211,8 @@ struct NoResponse {
     verdict: Verdict,
     /// A transport failure counts against the circuit (the failure trigger is on).
     counts: bool,
+    /// A failure to connect counts against the circuit (the connect-failure trigger is on).
+    connects: bool,
 }
 
 impl Companion for NoResponse {
@@ -221,9 +223,17 @@ impl Companion for NoResponse {
     fn failed(&self, error: &(dyn std::error::Error + 'static)) {
         let final_error = error.downcast_ref::<Error>().is_some_and(Error::is_final);
         if !final_error {
-            self.verdict.resolve(self.counts);
+            self.verdict
+                .resolve(self.counts || (self.connects && failed_to_connect(error)));
         }
     }
+}
+
+/// Whether `error` proves the attempt never got a connection to send on: the default test
+/// of [`Classify::request_not_sent`](crate::classify::Classify::request_not_sent), less the
+/// HTTP/2 proofs, which come on a connection that was up.
+fn failed_to_connect(error: &(dyn std::error::Error + 'static)) -> bool {
+    crate::classify::request_not_sent(error) && !crate::classify::never_processed(error)
 }
 
 /// What an attempt tells its target's circuit, once: a probe that ends with no answer frees
@@ -445,6 +455,7 @@ impl Planner {
         let failure = NoResponse {
             verdict: plan.verdict,
             counts: self.config.triggers.failures.is_some(),
+            connects: self.config.triggers.connects.is_some(),
         };
         match &self.link {
             Some(link) => link.ask(failure),

@@ -78,8 +78,8 @@ impl ModelFallbackLayer {
     }
 
     /// Also moves a request on after `n` consecutive retryable failures of any class: `5xx`,
-    /// `408`, `409`, `429`, transport errors, head timeouts, idle stalls before the commit
-    /// point, truncated bodies. At least 1; 1 falls over after the first failure. Defaults to
+    /// `408`, `409`, `429`, transport errors, head timeouts, idle stalls and first-output
+    /// timeouts before the commit point, truncated bodies. At least 1; 1 falls over after the first failure. Defaults to
     /// off.
     pub fn after_failures(mut self, n: u32) -> Result<Self, ConfigError> {
         if n == 0 {
@@ -93,8 +93,10 @@ impl ModelFallbackLayer {
 
     /// Also moves a request on after `n` consecutive timeouts: no response head within the
     /// policy's [`head_timeout`](crate::RetryPolicy::head_timeout), a body that stalled past
-    /// the [`idle_timeout`](crate::RetryPolicy::idle_timeout) before the commit point, or a
-    /// `408`. At least 1; 1 falls over after the first timeout. Defaults to off.
+    /// the [`idle_timeout`](crate::RetryPolicy::idle_timeout) before the commit point, an
+    /// event stream with no output within the
+    /// [`first_output_timeout`](crate::RetryPolicy::first_output_timeout), or a `408`. At
+    /// least 1; 1 falls over after the first timeout. Defaults to off.
     pub fn after_timeouts(mut self, n: u32) -> Result<Self, ConfigError> {
         if n == 0 {
             return Err(ConfigError::new(
@@ -102,6 +104,23 @@ impl ModelFallbackLayer {
             ));
         }
         self.config.triggers.timeouts = Some(n);
+        Ok(self)
+    }
+
+    /// Also moves a request on after `n` consecutive attempts that failed to connect: the
+    /// connection was refused, the name did not resolve, the TLS handshake failed, or an
+    /// inner service said [`RequestNotSent`](crate::classify::RequestNotSent); whatever
+    /// [`Classify::request_not_sent`](crate::classify::Classify::request_not_sent) calls an
+    /// error before any byte of the request was sent (an HTTP/2 refusal on a connection that
+    /// was up is re-sent at once instead, and is not one). At least 1; 1 falls over after
+    /// the first. Defaults to off.
+    pub fn after_connect_failures(mut self, n: u32) -> Result<Self, ConfigError> {
+        if n == 0 {
+            return Err(ConfigError::new(
+                "the connect-failure trigger must count at least 1 failure",
+            ));
+        }
+        self.config.triggers.connects = Some(n);
         Ok(self)
     }
 
@@ -233,6 +252,7 @@ pub(crate) struct Triggers {
     pub(crate) overloads: u32,
     pub(crate) failures: Option<u32>,
     pub(crate) timeouts: Option<u32>,
+    pub(crate) connects: Option<u32>,
     pub(crate) unwaitable: bool,
 }
 
@@ -242,6 +262,7 @@ impl Default for Triggers {
             overloads: 3,
             failures: None,
             timeouts: None,
+            connects: None,
             unwaitable: false,
         }
     }
@@ -253,6 +274,7 @@ pub(crate) struct Streak {
     overloads: u32,
     failures: u32,
     timeouts: u32,
+    connects: u32,
 }
 
 /// What one failure comes to under the triggers.
@@ -275,14 +297,21 @@ impl Triggers {
         streak.overloads = if overloaded { streak.overloads + 1 } else { 0 };
         streak.failures = if retryable { streak.failures + 1 } else { 0 };
         streak.timeouts = if f.timed_out { streak.timeouts + 1 } else { 0 };
+        streak.connects = if f.connect_failed {
+            streak.connects + 1
+        } else {
+            0
+        };
         let by_overload = overloaded && streak.overloads >= self.overloads;
         let fires = by_overload
             || self.failures.is_some_and(|n| streak.failures >= n)
             || self.timeouts.is_some_and(|n| streak.timeouts >= n)
+            || self.connects.is_some_and(|n| streak.connects >= n)
             || (self.unwaitable && f.unwaitable);
         let of_trigger_class = overloaded
             || (self.failures.is_some() && retryable)
             || (self.timeouts.is_some() && f.timed_out)
+            || (self.connects.is_some() && f.connect_failed)
             || (self.unwaitable && f.unwaitable);
         if fires {
             *streak = Streak::default();
@@ -389,6 +418,7 @@ mod tests {
             class,
             retryable,
             timed_out: false,
+            connect_failed: false,
             unwaitable: false,
             level: None,
         }
@@ -462,6 +492,7 @@ mod tests {
             overloads: 1,
             failures: Some(1),
             timeouts: Some(1),
+            connects: Some(1),
             unwaitable: true,
         };
         for class in [
@@ -473,5 +504,28 @@ mod tests {
             let c = all.count(&mut Streak::default(), &failed(class));
             assert!(!c.fires && !c.of_trigger_class, "{class:?}");
         }
+    }
+
+    #[test]
+    fn connect_failures_count_in_a_row_only_when_configured() {
+        let refused = Failed {
+            connect_failed: true,
+            ..failed(FailureClass::Transport)
+        };
+        let reset = failed(FailureClass::Transport);
+        let none = Triggers::default();
+        let c = none.count(&mut Streak::default(), &refused);
+        assert!(!c.fires && !c.of_trigger_class);
+        let two = Triggers {
+            connects: Some(2),
+            ..Triggers::default()
+        };
+        let mut streak = Streak::default();
+        assert!(!two.count(&mut streak, &refused).fires);
+        assert!(two.count(&mut streak, &refused).fires);
+        // A reset after the request went out is no connect failure: the count starts over,
+        // and the request goes home.
+        assert_eq!(two.replay(&[refused, reset, refused], 1).0, 0);
+        assert_eq!(two.replay(&[refused, refused], 1).0, 1);
     }
 }

@@ -1,7 +1,8 @@
 //! Failover: moving a request to the next target of a chain when the current one fails in
 //! a way that waiting will not fix.
 //!
-//! When a model answers `529` (or an error whose body says `overloaded_error`) several times in
+//! When a model answers `529` (or an error whose body says `overloaded_error`, or OpenAI's
+//! `503` whose body says the server is overloaded) several times in
 //! a row, waiting longer rarely helps; another model usually answers at once.
 //! [`ModelFallbackLayer`] sits inside [`RetryLayer`](crate::RetryLayer) and decides, from what
 //! the retry loop carries for it (every failed attempt of the request, its class, whether it
@@ -85,7 +86,8 @@
 //! | chain | — | [`new([...])`](ModelFallbackLayer::new): model names or [`Target`]s |
 //! | overload trigger | 3 consecutive overloads of one request | [`threshold(n)`](ModelFallbackLayer::threshold) (at least 1) |
 //! | failure trigger | off | [`after_failures(n)`](ModelFallbackLayer::after_failures): `n` consecutive retryable failures of any class |
-//! | timeout trigger | off | [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts): `n` consecutive head timeouts, idle stalls before the commit point, or `408`s |
+//! | timeout trigger | off | [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts): `n` consecutive head timeouts, idle stalls before the commit point, first-output timeouts, or `408`s |
+//! | connect-failure trigger | off | [`after_connect_failures(n)`](ModelFallbackLayer::after_connect_failures): `n` consecutive attempts that failed to connect |
 //! | rate limit with nowhere to wait | off | [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit) |
 //! | circuit per target | none | [`circuit(Circuit)`](ModelFallbackLayer::circuit); state through [`circuit_states`](ModelFallbackLayer::circuit_states) |
 //! | sticky | off: every request starts on its own model | [`sticky(cooldown)`](ModelFallbackLayer::sticky): later requests for that model start at the fallback until the cooldown ends |
@@ -99,9 +101,10 @@
 //!
 //! | failure of an attempt | moves the request on |
 //! |---|---|
-//! | `529`, or an error body saying `overloaded_error` | after `threshold` in a row (default 3) |
-//! | `5xx`, `408`, `409`, `429`, a transport error, a head timeout, an idle stall before the commit point, a truncated body | with [`after_failures(n)`](ModelFallbackLayer::after_failures), after `n` in a row |
-//! | a head timeout, an idle stall before the commit point, a `408` | with [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts), after `n` in a row |
+//! | an overload ([`FailureClass::Overloaded`](crate::classify::FailureClass::Overloaded)): `529`; an error body saying `overloaded_error`; OpenAI's `5xx` whose body has a `code` or `type` of `overloaded` or `server_is_overloaded`, or the message "The server is overloaded or not ready yet."; an in-band `error` or `response.failed` event naming one of these before the first output | after `threshold` in a row (default 3) |
+//! | `5xx`, `408`, `409`, `429`, a transport error, a head timeout, an idle stall or no output in time before the commit point, a truncated body | with [`after_failures(n)`](ModelFallbackLayer::after_failures), after `n` in a row |
+//! | a head timeout, an idle stall before the commit point, no first output within the policy's [`first_output_timeout`](crate::RetryPolicy::first_output_timeout), a `408` | with [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts), after `n` in a row |
+//! | a connect failure: refused, DNS, TLS handshake, anything [`Classify::request_not_sent`](crate::classify::Classify::request_not_sent) calls unsent (not an HTTP/2 refusal on a live connection, which is re-sent at once) | with [`after_connect_failures(n)`](ModelFallbackLayer::after_connect_failures), after `n` in a row |
 //! | `429` with a `Retry-After` above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max), or with every key of an [`ApiKeyPool`] inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
 //! | `400` validation, `401`, `403`, `404`, an exhausted quota, a context overflow | never |
 //! | anything after a stream's commit point | never: nothing is re-sent after output |
@@ -242,7 +245,14 @@
 //!   passes through untouched, to the request's own upstream.
 //!
 //! The retry policy must allow enough attempts for the chain: with the default threshold and a
-//! two-model chain, the last model gets its first attempt on the 7th try. Leave
+//! two-model chain, the last model gets its first attempt on the 7th try. Every step down the
+//! chain is a retry of the loop: it counts against
+//! [`RetryPolicy::max_retries`](crate::RetryPolicy::max_retries) like any other (and draws on
+//! the fleet's retry budget), so the `k`-th target is reached only when `max_retries` is at
+//! least the trigger's count times `k` (with a trigger of `n`, its first attempt is retry
+//! `n × k`). With the [`sdk_compatible`](crate::RetryPolicy::sdk_compatible) policy's 2
+//! retries, the default threshold of 3 can never fire: use `threshold(1)` or `threshold(2)`,
+//! or more retries. Leave
 //! [`RetryPolicy::max_consecutive_overloads`](crate::RetryPolicy::max_consecutive_overloads)
 //! unset, or set it above `threshold × (chain length + 1)`.
 //!

@@ -187,6 +187,7 @@ impl Question<'_> {
             class,
             self.class,
             false,
+            false,
             self.keys_resting,
             self.retry_after_max,
             level,
@@ -268,8 +269,15 @@ pub(crate) struct Failed {
     pub(crate) class: FailureClass,
     /// The classifier called it worth a retry.
     pub(crate) retryable: bool,
-    /// A head timeout, an idle stall before the commit point, or a `408`.
+    /// A head timeout, an idle stall or no output in time before the commit point, or a
+    /// `408`.
     pub(crate) timed_out: bool,
+    /// The attempt failed to connect: an error before any byte of the request was sent
+    /// (refused, DNS, TLS handshake), as [`Classify::request_not_sent`] tells, and not one
+    /// HTTP/2 proved unprocessed on a connection that was up.
+    ///
+    /// [`Classify::request_not_sent`]: crate::classify::Classify::request_not_sent
+    pub(crate) connect_failed: bool,
     /// A rate limit with nowhere to wait: a `Retry-After` above the policy's ceiling, or every
     /// key of a pool resting.
     pub(crate) unwaitable: bool,
@@ -279,11 +287,13 @@ pub(crate) struct Failed {
 
 impl Failed {
     /// The record of a failed attempt of `class`, from the loop's classification `c`:
-    /// `timed_out` when the attempt's error says it timed out.
+    /// `timed_out` when the attempt's error says it timed out, `connect_failed` when it
+    /// proves the attempt never got a connection.
     pub(crate) fn of(
         class: FailureClass,
         c: &Classification,
         timed_out: bool,
+        connect_failed: bool,
         keys_resting: bool,
         retry_after_max: Duration,
         level: Option<u32>,
@@ -292,6 +302,7 @@ impl Failed {
             class,
             retryable: c.is_retryable(),
             timed_out: class == FailureClass::Timeout || timed_out,
+            connect_failed: connect_failed && class != FailureClass::NotProcessed,
             unwaitable: class == FailureClass::RateLimited
                 && (keys_resting || c.retry_after().is_some_and(|ra| ra > retry_after_max)),
             level,

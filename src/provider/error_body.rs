@@ -7,6 +7,10 @@ use serde::Deserialize;
 pub(crate) enum BodySignal {
     /// `overloaded_error`.
     Overloaded,
+    /// OpenAI's overload: a `code` or `type` of `overloaded` or `server_is_overloaded`, or the
+    /// message "The server is overloaded or not ready yet.". An overload only on a `5xx`
+    /// (where OpenAI sends it); on other statuses it is nothing this crate acts on.
+    ServerOverloaded,
     /// `insufficient_quota`, `enforced_spend_limit_reached` and similar: waiting will not help.
     QuotaExhausted,
     /// A context-window overflow (`max_tokens` too large, or the prompt itself too long).
@@ -21,6 +25,30 @@ const QUOTA_CODES: &[&str] = &[
     "billing_hard_limit_reached",
     "billing_not_active",
 ];
+
+/// OpenAI's codes for an overloaded server (in the `code` or the `type` of the error).
+const SERVER_OVERLOADED_CODES: &[&str] = &["overloaded", "server_is_overloaded"];
+
+/// OpenAI's message for an overloaded server ("The server is overloaded or not ready yet."),
+/// but its full stop: a message that starts with it, in any ASCII case, says so. A shorter
+/// "The server is overloaded" is not read as it: other servers say that of any 503.
+const SERVER_OVERLOADED_MESSAGE: &str = "the server is overloaded or not ready yet";
+
+/// Whether an error's `type`, `code` and `message` say OpenAI's server is overloaded. The
+/// message is compared on its start only, so a long message costs nothing.
+pub(crate) fn says_server_overloaded(kind: &str, code: &str, message: Option<&str>) -> bool {
+    SERVER_OVERLOADED_CODES
+        .iter()
+        .any(|c| kind == *c || code == *c)
+        || message.is_some_and(|m| {
+            m.trim_start()
+                .as_bytes()
+                .get(..SERVER_OVERLOADED_MESSAGE.len())
+                .is_some_and(|start| {
+                    start.eq_ignore_ascii_case(SERVER_OVERLOADED_MESSAGE.as_bytes())
+                })
+        })
+}
 
 const OVERFLOW_PATTERNS: &[&str] = &[
     "exceed context limit",
@@ -83,6 +111,8 @@ fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
             BodySignal::Overloaded
         } else if QUOTA_CODES.iter().any(|q| kind == *q || code == *q) {
             BodySignal::QuotaExhausted
+        } else if says_server_overloaded(kind, code, e.message.as_deref()) {
+            BodySignal::ServerOverloaded
         } else if code == "context_length_exceeded"
             || e.message
                 .as_deref()
@@ -103,6 +133,8 @@ fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
         BodySignal::Overloaded
     } else if QUOTA_CODES.iter().any(|q| contains(q)) {
         BodySignal::QuotaExhausted
+    } else if SERVER_OVERLOADED_CODES.iter().any(|c| contains(c)) {
+        BodySignal::ServerOverloaded
     } else if contains("context_length_exceeded") {
         BodySignal::ContextOverflow
     } else {
@@ -276,6 +308,40 @@ mod tests {
         assert_eq!(body_signal(b), BodySignal::ContextOverflow);
         let b = br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
         assert_eq!(body_signal(b), BodySignal::Other);
+    }
+
+    #[test]
+    fn openai_overload() {
+        let server = BodySignal::ServerOverloaded;
+        // The message OpenAI sends with its 503, in any case, and with nothing else to go by.
+        let b = br#"{"error":{"message":"The server is overloaded or not ready yet.","type":"server_error","param":null,"code":null}}"#;
+        assert_eq!(body_signal(b), server);
+        let b = br#"{"error":{"message":"  THE SERVER IS OVERLOADED or not ready yet.","type":"server_error"}}"#;
+        assert_eq!(body_signal(b), server);
+        // Its codes, in `code` or in `type`.
+        let b =
+            br#"{"error":{"message":"Busy","type":"server_error","code":"server_is_overloaded"}}"#;
+        assert_eq!(body_signal(b), server);
+        let b = br#"{"error":{"message":"Busy","type":"overloaded","code":null}}"#;
+        assert_eq!(body_signal(b), server);
+        // Cut at the peek limit: the quoted code still says it.
+        let b = br#"{"error":{"code":"server_is_overloaded","message":"The serv"#;
+        assert_eq!(body_signal(b), server);
+        // Not an overload: another message, the words elsewhere than at the start, a prefix
+        // of the message, a code that merely contains the word.
+        for b in [
+            &br#"{"error":{"message":"The server had an error while processing your request.","type":"server_error"}}"#[..],
+            br#"{"error":{"message":"Sorry: the server is overloaded","type":"server_error"}}"#,
+            br#"{"error":{"message":"The server is over","type":"server_error"}}"#,
+            br#"{"error":{"message":"The server is overloaded","type":"server_error"}}"#,
+            br#"{"error":{"message":"x","type":"server_error","code":"not_overloaded"}}"#,
+            b"the server is overloaded or not ready yet",
+        ] {
+            assert_eq!(body_signal(b), BodySignal::Other, "{}", String::from_utf8_lossy(b));
+        }
+        // Anthropic's overload is still its own signal.
+        let b = br#"{"type":"error","error":{"type":"overloaded_error","message":"The server is overloaded"}}"#;
+        assert_eq!(body_signal(b), BodySignal::Overloaded);
     }
 
     #[test]

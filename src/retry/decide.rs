@@ -210,9 +210,10 @@ where
             Peek::SseError(c) => (*c, Some(CommitReason::Error), None),
             Peek::Commit(reason) => (Classification::success(), Some(*reason), None),
             Peek::Complete | Peek::TooLarge => (Classification::success(), None, None),
-            Peek::Failed => {
-                let class = match mode {
-                    Some(PeekMode::Envelope(_)) => FailureClass::TruncatedEnvelope,
+            Peek::Failed | Peek::NoOutput => {
+                let class = match (&outcome, &mode) {
+                    (Peek::NoOutput, _) => FailureClass::Timeout,
+                    (_, Some(PeekMode::Envelope(_))) => FailureClass::TruncatedEnvelope,
                     _ => FailureClass::Transport,
                 };
                 let error = match &mut reply {
@@ -610,13 +611,14 @@ where
     }
 
     /// Records a failed attempt: its class, and for the companion layers what else they
-    /// decide on (whether it timed out, whether a rate limit had nowhere to wait, how far
-    /// down a fallback chain it went).
+    /// decide on (whether it timed out, whether it failed to connect, whether a rate limit
+    /// had nowhere to wait, how far down a fallback chain it went).
     fn note_class(
         &mut self,
         class: FailureClass,
         c: &Classification,
         error: Option<&(dyn std::error::Error + 'static)>,
+        not_sent: bool,
         remark: Remark,
     ) {
         if class == FailureClass::Overloaded {
@@ -628,6 +630,9 @@ where
             class,
             c,
             error.is_some_and(timed_out),
+            // Not sent, and not for an HTTP/2 proof (which comes on a connection that was up,
+            // whatever a custom classifier calls it).
+            not_sent && !error.is_some_and(crate::classify::never_processed),
             remark.keys_resting,
             self.policy().get_retry_after_max(),
             remark.level,
@@ -674,7 +679,7 @@ where
         }
         let class = c.class().unwrap_or(FailureClass::Other);
         span.record("error.type", class.as_str());
-        self.note_class(class, c, error, remark);
+        self.note_class(class, c, error, not_sent, remark);
         self.trail.push(AttemptRecord {
             attempt: self.retries + 1,
             class,
@@ -790,14 +795,17 @@ fn final_class(error: &(dyn std::error::Error + 'static)) -> Option<FailureClass
     None
 }
 
-/// Whether an attempt's error says it timed out: no head in time, or a body that stalled
-/// before the commit point.
+/// Whether an attempt's error says it timed out: no head in time, or a body that stalled or
+/// showed no output in time before the commit point.
 fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(e) = next {
-        if e.downcast_ref::<TimedOut>()
-            .is_some_and(|t| matches!(t.kind(), TimeoutKind::Head | TimeoutKind::Idle))
-        {
+        if e.downcast_ref::<TimedOut>().is_some_and(|t| {
+            matches!(
+                t.kind(),
+                TimeoutKind::Head | TimeoutKind::Idle | TimeoutKind::FirstOutput
+            )
+        }) {
             return true;
         }
         next = e.source();

@@ -378,29 +378,30 @@ where
                     go!(this.state, ctx, next);
                 }
                 StateProj::Peeking { peek } => {
-                    let PeekState {
-                        peeked,
-                        mode,
-                        idle,
-                        deadline,
-                        ..
-                    } = &mut **peek.as_mut().expect("peek state holds the read");
+                    let read = &mut **peek.as_mut().expect("peek state holds the read");
                     // A body that stalls after its head does not hold the request past its
                     // deadline: the attempt is recorded as it stands, and the request ends.
-                    let cut = deadline
+                    let cut = read
+                        .deadline
                         .as_mut()
                         .is_some_and(|d| d.as_mut().poll(cx).is_ready());
                     let outcome = match cut {
                         true => Peek::CutByDeadline,
-                        false => ready!(poll_peek(
-                            peeked.as_mut().expect("peek state holds the body"),
-                            mode,
-                            idle,
+                        false => match poll_peek(
+                            read.peeked.as_mut().expect("peek state holds the body"),
+                            &mut read.mode,
+                            &mut read.idle,
                             ctx.config.peek_limit,
                             ctx.config.stream_end_check,
                             &ctx.config.classifier,
                             cx,
-                        )),
+                        ) {
+                            Poll::Ready(outcome) => outcome,
+                            // Output that is ready wins over a first-output timeout that
+                            // fired at the same time.
+                            Poll::Pending if read.poll_first_output(cx) => Peek::NoOutput,
+                            Poll::Pending => return Poll::Pending,
+                        },
                     };
                     let mut peek = peek.take().expect("peek state holds the read");
                     let head = peek.head.take().expect("peek state holds the head");
@@ -488,6 +489,14 @@ where
         said: Said,
         span: Span,
     ) -> Box<PeekState<R>> {
+        // The first-output clock starts at the head, for event streams only.
+        let first_output = match mode {
+            super::peek::PeekMode::Sse(_) => self
+                .policy()
+                .get_first_output_timeout()
+                .map(|d| (Box::pin(tokio::time::sleep(d)), d)),
+            _ => None,
+        };
         Box::new(PeekState {
             head: Some(head),
             peeked: Some(Peeked::new(body)),
@@ -495,6 +504,7 @@ where
             said,
             idle: IdleTimer::new(self.policy().get_idle_timeout()),
             deadline: self.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            first_output,
             span,
         })
     }

@@ -161,8 +161,10 @@ impl<C> RetryLayer<C> {
     }
 
     /// Whether a `text/event-stream` response of a known protocol (Anthropic Messages, OpenAI
-    /// Chat Completions, OpenAI Responses) must reach its terminal event (`message_stop`, a
-    /// chunk with a `finish_reason`, `response.completed` …) before its body may end: a clean
+    /// Chat Completions, OpenAI Responses) must reach its terminal event (`message_stop` or a
+    /// `message_delta` with a `stop_reason`, a chunk with a `finish_reason`,
+    /// `response.completed` …; the table is in [`stream`](crate::stream#protocols)) before its
+    /// body may end: a clean
     /// end before it, which a cutting hop produces, is then an
     /// [`ErrorKind::IncompleteStream`](crate::ErrorKind::IncompleteStream) body error after
     /// the commit point (the caller's stream raises instead of ending) and is retried like a

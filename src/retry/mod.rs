@@ -130,7 +130,8 @@
 //! | consecutive overloads | no limit | [`max_consecutive_overloads`](RetryPolicy::max_consecutive_overloads) |
 //! | time to response head, per attempt | 600 s; a stall is retried as `Transport` | [`head_timeout`](RetryPolicy::head_timeout) |
 //! | idle time between body frames | 600 s; retried before a stream's commit point, [`IdleTimeout`](crate::ErrorKind::IdleTimeout) after | [`idle_timeout`](RetryPolicy::idle_timeout) |
-//! | total deadline | none; when set, no attempt starts after it, a retry whose sleep would reach it is not made, every wait (gate, pacing line, `poll_ready`) ends at it, and each attempt's head timeout is cut to what is left | [`deadline`](RetryPolicy::deadline) |
+//! | time from an event stream's head to its first output (the commit point), per attempt | none; when set, a stream with no output by then is retried as `Timeout` (never after output) | [`first_output_timeout`](RetryPolicy::first_output_timeout) |
+//! | total deadline | none; when set, no attempt starts after it, a retry whose sleep would reach it is not made, every wait (gate, pacing line, `poll_ready`) ends at it, each attempt's head timeout is cut to what is left, and the read of an answer's start (an error body, a stream before its first output) ends at it | [`deadline`](RetryPolicy::deadline) |
 //! | request body buffer | 32 MiB (Anthropic's request limit) | [`RetryLayer::body_limit`] |
 //! | error body, or SSE preamble, read before deciding | 64 KiB (the caller still gets all of it) | [`RetryLayer::peek_limit`] |
 //! | retry-count header | none | [`RetryLayer::retry_count_header`] (`x-stainless-retry-count`, as the official SDKs) |

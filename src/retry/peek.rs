@@ -4,15 +4,17 @@
 //! outcome [`Peek::Head`], decided by the same [`decide`](super::decide) as any other.
 
 use std::borrow::Cow;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use http_body::Body;
 use tokio::time::Sleep;
 use tracing::Span;
 
 use crate::classify::{Classification, Classify, SseVerdict};
-use crate::error::{BoxError, Error, ErrorKind};
+use crate::error::{BoxError, Error, ErrorKind, TimedOut, TimeoutKind};
 use crate::pipeline::body::{IdleTimer, Peeked, Read, RetryBody};
 use crate::pipeline::Said;
 use crate::stream::{CommitReason, ScanError, StreamScan};
@@ -76,7 +78,32 @@ pub(super) struct PeekState<R> {
     pub(super) idle: IdleTimer,
     // The request's deadline, when it has one: it bounds the read as it bounds the waits.
     pub(super) deadline: Option<Pin<Box<Sleep>>>,
+    // An event stream's first-output timeout, when the policy sets one: armed at the head,
+    // with the time it was armed for.
+    pub(super) first_output: Option<(Pin<Box<Sleep>>, Duration)>,
     pub(super) span: Span,
+}
+
+impl<R> PeekState<R> {
+    /// Whether the first-output timeout fired (polling it, so that it wakes the read); if it
+    /// did, the body is dropped and the read fails with the timeout.
+    pub(super) fn poll_first_output(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some((timer, after)) = self.first_output.as_mut() else {
+            return false;
+        };
+        if timer.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        let after = *after;
+        if let Some(peeked) = self.peeked.as_mut() {
+            peeked.rest = None;
+            peeked.error = Some(Box::new(
+                Error::new(ErrorKind::IdleTimeout)
+                    .with_source(TimedOut::new(TimeoutKind::FirstOutput, after)),
+            ));
+        }
+        true
+    }
 }
 
 /// Why the loop reads the start of a response body before deciding.
@@ -101,6 +128,9 @@ pub(super) enum Peek {
     SseError(Classification),
     /// Reading failed (error or idle timeout); the error is kept in the peeked body.
     Failed,
+    /// An event stream showed no output within the first-output timeout; the error is kept
+    /// in the peeked body.
+    NoOutput,
     /// The envelope was read whole.
     Complete,
     /// The envelope is larger than the cap; it goes to the caller as it streams.

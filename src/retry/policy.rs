@@ -40,6 +40,7 @@ pub struct RetryPolicy {
     max_consecutive_overloads: Option<u32>,
     head_timeout: Option<Duration>,
     idle_timeout: Option<Duration>,
+    first_output_timeout: Option<Duration>,
     deadline: Option<Duration>,
     random: Random,
 }
@@ -143,6 +144,7 @@ impl Default for RetryPolicy {
             max_consecutive_overloads: None,
             head_timeout: Some(DEFAULT_TIMEOUT),
             idle_timeout: Some(DEFAULT_TIMEOUT),
+            first_output_timeout: None,
             deadline: None,
             random: Random::default(),
         }
@@ -300,8 +302,10 @@ impl RetryPolicy {
         self
     }
 
-    /// Stop after this many consecutive overloaded attempts (529 or `overloaded_error`), so a
-    /// fallback can take over sooner; `Some(0)` retries no overload. Only an overload stops
+    /// Stop after this many consecutive overloaded attempts (class
+    /// [`Overloaded`](crate::classify::FailureClass::Overloaded): a 529, `overloaded_error`,
+    /// OpenAI's 503 overloaded, an in-band overload before output), so a fallback can take
+    /// over sooner; `Some(0)` retries no overload. Only an overload stops
     /// the request: any other failure is retried as usual, and starts the count over.
     /// Defaults to `None` (no such limit).
     pub fn max_consecutive_overloads(mut self, n: Option<u32>) -> Self {
@@ -325,6 +329,34 @@ impl RetryPolicy {
         self
     }
 
+    /// How long an event stream may take, from its response head, to its first output (the
+    /// commit point: the first event that shows output, see [`stream`](crate::stream)). An
+    /// attempt with no output by then is a timeout before the commit point: it fails with
+    /// class [`Timeout`](crate::classify::FailureClass::Timeout) (its error a
+    /// [`TimedOut`](crate::retry::TimedOut) of kind
+    /// [`FirstOutput`](crate::retry::TimeoutKind::FirstOutput)), is retried like any
+    /// retryable failure, and counts toward a fallback layer's timeout trigger
+    /// ([`after_timeouts`]) as a head timeout does. When no retry is left, the caller gets
+    /// the response, whose body yields the events that came, then fails with
+    /// [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout). Keep-alive and set-up
+    /// events (`ping`, `message_start`, a role-only chunk) do not stop the clock; the idle
+    /// timeout still applies between them. Never after output: a stream that has shown
+    /// output is bounded by the idle timeout alone. When the [deadline](Self::deadline) is
+    /// nearer, it ends the read first, with
+    /// [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded). Only with the SSE
+    /// gate on ([`RetryLayer::sse_gate`](crate::RetryLayer::sse_gate), the default); bodies
+    /// that are not event streams are not timed. `None`: no such limit. Defaults to `None`.
+    ///
+    #[cfg_attr(
+        feature = "fallback",
+        doc = "[`after_timeouts`]: crate::ModelFallbackLayer::after_timeouts"
+    )]
+    #[cfg_attr(not(feature = "fallback"), doc = "[`after_timeouts`]: crate#features")]
+    pub fn first_output_timeout(mut self, d: Option<Duration>) -> Self {
+        self.first_output_timeout = d;
+        self
+    }
+
     /// A total time budget for one logical request, from the call: no attempt starts after
     /// it, a retry whose sleep would reach it is not made, the head timeout of the last
     /// attempt is cut to what remains, and the loop's read of the start of an answer (an
@@ -344,6 +376,11 @@ impl RetryPolicy {
     /// The idle timeout, if any.
     pub(crate) fn get_idle_timeout(&self) -> Option<Duration> {
         self.idle_timeout
+    }
+
+    /// The first-output timeout, if any.
+    pub(crate) fn get_first_output_timeout(&self) -> Option<Duration> {
+        self.first_output_timeout
     }
 
     /// The total deadline, if any.

@@ -20,7 +20,10 @@
 //! - Before the commit point, an in-band error event maps to its HTTP twin (table below) and
 //!   goes through the ordinary retry path; a stall longer than the idle timeout, a dropped
 //!   connection, or a clean end before any output and before the protocol's terminal event is
-//!   retried as a transport failure.
+//!   retried as a transport failure; no output within the
+//!   [first-output timeout](crate::RetryPolicy::first_output_timeout) (off by default:
+//!   keep-alives and set-up events do not stop its clock) is retried as a
+//!   [`Timeout`](crate::classify::FailureClass::Timeout).
 //! - After it, nothing is re-sent: a later error event reaches the caller in the stream as it
 //!   was sent, a dropped connection as an [`ErrorKind::ResponseBody`](crate::ErrorKind::ResponseBody)
 //!   error, a stall as [`ErrorKind::IdleTimeout`](crate::ErrorKind::IdleTimeout), and a clean
@@ -46,7 +49,7 @@
 //!
 //! | protocol ([`StreamProtocol`]) | visible output: the commit point | terminal event |
 //! |---|---|---|
-//! | Anthropic Messages | `content_block_start`, `content_block_delta` | `message_stop`, or `error` |
+//! | Anthropic Messages | `content_block_start`, `content_block_delta` | `message_stop`, or `error`; or a `message_delta` with a `stop_reason`, when the body ends cleanly after it (the answer is complete by its content: only `message_stop` is missing) |
 //! | OpenAI Chat Completions | a chunk whose `choices[].delta` has content, a refusal, tool calls or a function call | a chunk with a `finish_reason`, `[DONE]`, or an error chunk (servers that never send `[DONE]` are fine) |
 //! | OpenAI Responses | `response.output_item.added`, `response.content_part.added`, any `response.*.delta` | `response.completed`, `response.failed`, `response.incomplete`, or `error` |
 //!
@@ -65,7 +68,7 @@
 //!
 //! | names | twin | verdict |
 //! |---|---|---|
-//! | `overloaded_error`, `server_is_overloaded` | 529 | retry, class `Overloaded` (it counts toward consecutive overloads) |
+//! | `overloaded_error`, `server_is_overloaded`, `overloaded`, or a message that starts "The server is overloaded or not ready yet" (OpenAI's, any case) | 529 | retry, class `Overloaded` (it counts toward consecutive overloads and the fallback's overload trigger) |
 //! | `rate_limit_error`, `rate_limit_exceeded` | 429 | retry, class `RateLimited` |
 //! | `api_error`, `server_error`, `internal_error` | 500 | retry, class `Server` |
 //! | `invalid_request_error` | 400 | no retry, class `Client` |

@@ -16,7 +16,9 @@ use super::sse::{ScanError, SseEvent, SseScanner};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StreamProtocol {
-    /// Anthropic Messages: ends with `message_stop` (or an `error` event).
+    /// Anthropic Messages: ends with `message_stop` (or an `error` event); a body that ends
+    /// cleanly after a `message_delta` carrying a `stop_reason` is complete too (the answer
+    /// and its usage came; only `message_stop`, which carries nothing, is missing).
     AnthropicMessages,
     /// OpenAI Chat Completions: ends with a chunk whose choice has a `finish_reason` (the
     /// `data: [DONE]` sentinel is not required: some compatible servers never send it), or an
@@ -207,7 +209,7 @@ fn observe(
         if let Some((p, known, terminal)) = named(name) {
             protocol.get_or_insert(p);
             *last_event = Some(known);
-            *finished |= terminal;
+            *finished |= terminal || (known == "message_delta" && stops(&event.data));
             return;
         }
         // `error` belongs to Anthropic and Responses alike: it ends either.
@@ -238,7 +240,8 @@ fn observe(
     if let Some((p, known, terminal)) = chunk.kind.as_deref().and_then(named) {
         protocol.get_or_insert(p);
         *last_event = Some(known);
-        *finished |= terminal;
+        *finished |= terminal
+            || (known == "message_delta" && chunk.delta.is_some_and(|d| d.stop_reason.is_some()));
         return;
     }
     if chunk.kind.as_deref() == Some("error") {
@@ -251,6 +254,14 @@ fn observe(
         *last_event = Some("chat.completion.chunk");
         *finished |= chunk.choices.iter().any(|c| c.finish_reason.is_some());
     }
+}
+
+/// Whether an Anthropic `message_delta`'s data carries a `stop_reason`: the message is
+/// complete by its content (its usage came with it), and a body that ends cleanly after it
+/// has lost only `message_stop`, which carries nothing.
+fn stops(data: &str) -> bool {
+    serde_json::from_str::<Chunk<'_>>(data.trim())
+        .is_ok_and(|c| c.delta.is_some_and(|d| d.stop_reason.is_some()))
 }
 
 /// A known event type: its protocol, its name as a static string, and whether it ends the
@@ -285,6 +296,15 @@ struct Chunk<'a> {
     error: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     choices: Vec<Choice>,
+    // Anthropic's `message_delta`; `null` (as in `message_start`) reads as none.
+    #[serde(default)]
+    delta: Option<MessageDelta>,
+}
+
+#[derive(Deserialize)]
+struct MessageDelta {
+    #[serde(default)]
+    stop_reason: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -335,6 +355,34 @@ mod tests {
         // A terminal event with no blank line after it is no event (the SSE rules).
         let unterminated = format!("{ANTHROPIC}event: message_stop\ndata: {{}}");
         assert!(scan(&unterminated).is_some());
+    }
+
+    #[test]
+    fn an_anthropic_message_delta_with_a_stop_reason_completes_the_stream() {
+        let delta = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":3}}\n\n";
+        let stop_block =
+            "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n";
+        // The delta came, `message_stop` did not: complete by content.
+        assert_eq!(scan(&format!("{ANTHROPIC}{stop_block}{delta}")), None);
+        // So with the type only in the data.
+        let typed =
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"}}\n\n";
+        assert_eq!(scan(&format!("{ANTHROPIC}{typed}")), None);
+        // Cut before the delta: incomplete, as before.
+        let cut = scan(&format!("{ANTHROPIC}{stop_block}")).unwrap();
+        assert_eq!(cut.last_event(), Some("content_block_stop"));
+        // A delta without a stop reason (or with a null one) says nothing of the end.
+        for no_stop in [
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":null},\"usage\":{\"output_tokens\":3}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":3}}\n\n",
+            "event: message_delta\ndata: not json\n\n",
+        ] {
+            let cut = scan(&format!("{ANTHROPIC}{no_stop}")).unwrap();
+            assert_eq!(cut.last_event(), Some("message_delta"), "{no_stop}");
+        }
+        // A delta cut before its blank line is no event.
+        let half = &delta[..delta.len() - 1];
+        assert!(scan(&format!("{ANTHROPIC}{half}")).is_some());
     }
 
     #[test]

@@ -865,3 +865,355 @@ fn retried(
         .layer(layer.clone())
         .service(http_client())
 }
+
+const GPT: &str = "gpt-4o";
+const GPT_MINI: &str = "gpt-4o-mini";
+const OPENAI_REQUEST: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"Name a \"model\" of car."}],"metadata":{"model":"not this one"}}"#;
+/// OpenAI's answer when the model's servers are overloaded: a 503 with no code of its own.
+const OPENAI_OVERLOADED: &str = r#"{"error":{"message":"The server is overloaded or not ready yet.","type":"server_error","param":null,"code":null}}"#;
+
+fn openai_503(body: &'static str) -> Reply {
+    Reply::status(503)
+        .header("content-type", "application/json")
+        .body(body)
+}
+
+async fn send_openai(
+    server: &MockServer,
+    path: &str,
+    policy: RetryPolicy,
+    layer: ModelFallbackLayer,
+) -> Result<http::Response<tower_llm_retry::RetryBody<hyper::body::Incoming>>, tower_llm_retry::Error>
+{
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy))
+        .layer(layer)
+        .service(http_client());
+    svc.oneshot(anthropic_request(&server.url(path), OPENAI_REQUEST))
+        .await
+}
+
+fn classes(trail: &RetryTrail) -> Vec<tower_llm_retry::classify::FailureClass> {
+    trail.attempts().iter().map(|a| a.class).collect()
+}
+
+/// The failover benchmark's faults S04 and S16: every attempt at the primary is OpenAI's 503
+/// overloaded; the overload trigger moves the request on after `threshold` of them.
+#[tokio::test(start_paused = true)]
+async fn a_persistent_openai_503_overloaded_falls_back_after_the_threshold() {
+    use tower_llm_retry::classify::FailureClass::Overloaded;
+    let server = MockServer::start(
+        Script::new().when(|req| (model_of(req) == GPT).then(|| openai_503(OPENAI_OVERLOADED))),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let layer = ModelFallbackLayer::new([GPT, GPT_MINI])
+        .unwrap()
+        .threshold(2)
+        .unwrap();
+    let res = send_openai(&server, "/v1/chat/completions", policy(), layer)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen(&server, start),
+        [
+            (GPT.to_owned(), ms(0)),
+            (GPT.to_owned(), ms(500)),
+            (GPT_MINI.to_owned(), ms(1_500)),
+        ]
+    );
+    let requests = server.requests();
+    for r in &requests[..2] {
+        assert_eq!(sha256(&r.body), sha256(OPENAI_REQUEST.as_bytes()));
+    }
+    assert_only_value_changed(
+        OPENAI_REQUEST.as_bytes(),
+        &requests[2].body,
+        "model",
+        "\"gpt-4o-mini\"",
+    );
+    let trail = res.extensions().get::<RetryTrail>().unwrap().clone();
+    assert_eq!(classes(&trail), [Overloaded, Overloaded]);
+    assert_eq!(res.extensions().get::<ModelUsed>().unwrap().model, GPT_MINI);
+    let body: serde_json::Value = serde_json::from_slice(&body_bytes(res).await).unwrap();
+    assert_eq!(body["model"], GPT_MINI);
+
+    // The same answers count toward the policy's limit of consecutive overloads.
+    let server = MockServer::start(Script::always(openai_503(OPENAI_OVERLOADED)))
+        .await
+        .unwrap();
+    let res = send_openai(
+        &server,
+        "/v1/chat/completions",
+        policy().max_consecutive_overloads(Some(2)),
+        ModelFallbackLayer::new([GPT]).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.request_count(), 2);
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxConsecutiveOverloads));
+    assert_eq!(classes(trail), [Overloaded, Overloaded]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_plain_503_never_counts_as_an_overload() {
+    use tower_llm_retry::classify::FailureClass::Server;
+    const UNAVAILABLE: &str = r#"{"error":{"message":"Service Unavailable","type":"server_error","param":null,"code":null}}"#;
+    let server = MockServer::start(Script::always(openai_503(UNAVAILABLE)))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let layer = ModelFallbackLayer::new([GPT, GPT_MINI])
+        .unwrap()
+        .threshold(1)
+        .unwrap();
+    let res = send_openai(
+        &server,
+        "/v1/chat/completions",
+        policy().max_retries(3),
+        layer,
+    )
+    .await
+    .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        seen(&server, start),
+        [
+            (GPT.to_owned(), ms(0)),
+            (GPT.to_owned(), ms(500)),
+            (GPT.to_owned(), ms(1_500)),
+            (GPT.to_owned(), ms(3_500)),
+        ]
+    );
+    assert!(server
+        .requests()
+        .iter()
+        .all(|r| sha256(&r.body) == sha256(OPENAI_REQUEST.as_bytes())));
+    let trail = res.extensions().get::<RetryTrail>().unwrap();
+    assert_eq!(trail.gave_up(), Some(GiveUpReason::MaxRetries));
+    assert_eq!(classes(trail), [Server; 4]);
+    assert_eq!(body_bytes(res).await, UNAVAILABLE.as_bytes());
+}
+
+/// The Responses API says it in-band: a `200` stream whose first event after
+/// `response.created` is an `error` or a `response.failed` naming `server_is_overloaded`.
+#[tokio::test(start_paused = true)]
+async fn the_in_band_server_is_overloaded_of_the_responses_api_falls_back() {
+    use tower_llm_retry::classify::FailureClass::Overloaded;
+    use tower_llm_retry::mock::SseFrame;
+    let created = || {
+        SseFrame::new(
+            "response.created",
+            r#"{"type":"response.created","response":{"id":"resp_1","status":"in_progress"}}"#,
+        )
+    };
+    let error_event = vec![
+        created(),
+        SseFrame::new(
+            "error",
+            r#"{"type":"error","code":"server_is_overloaded","message":"The server is overloaded or not ready yet.","param":null}"#,
+        ),
+    ];
+    let failed_event = vec![
+        created(),
+        SseFrame::new(
+            "response.failed",
+            r#"{"type":"response.failed","response":{"id":"resp_1","status":"failed","error":{"code":"server_is_overloaded","message":"Try again later."}}}"#,
+        ),
+    ];
+    let good = vec![
+        created(),
+        SseFrame::new(
+            "response.output_text.delta",
+            r#"{"type":"response.output_text.delta","delta":"A Saab."}"#,
+        ),
+        SseFrame::new(
+            "response.completed",
+            r#"{"type":"response.completed","response":{"id":"resp_2","status":"completed","usage":{"input_tokens":9,"output_tokens":3}}}"#,
+        ),
+    ];
+    let server = MockServer::start(
+        Script::new()
+            .then(Reply::sse(error_event))
+            .then(Reply::sse(failed_event))
+            .otherwise(Reply::sse(good.clone())),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let layer = ModelFallbackLayer::new([GPT, GPT_MINI])
+        .unwrap()
+        .threshold(2)
+        .unwrap();
+    let res = send_openai(&server, "/v1/responses", policy(), layer)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen(&server, start),
+        [
+            (GPT.to_owned(), ms(0)),
+            (GPT.to_owned(), ms(500)),
+            (GPT_MINI.to_owned(), ms(1_500)),
+        ]
+    );
+    let trail = res.extensions().get::<RetryTrail>().unwrap().clone();
+    assert_eq!(classes(&trail), [Overloaded, Overloaded]);
+    assert_eq!(res.extensions().get::<ModelUsed>().unwrap().model, GPT_MINI);
+    let (bytes, err) = drain(res.into_body()).await;
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(bytes, concat(&good));
+}
+
+/// A port nothing listens on: connecting to it is refused at once.
+fn closed_port() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    format!("http://{addr}")
+}
+
+#[tokio::test(start_paused = true)]
+async fn connect_failures_move_the_request_to_the_next_upstream_after_n_in_a_row() {
+    use tower_llm_retry::classify::FailureClass::Transport;
+    let server = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let dead = closed_port();
+    let next = server.url("/next");
+    let layer = ModelFallbackLayer::new([
+        Target::new(PRIMARY).upstream(&dead).unwrap(),
+        Target::new(FALLBACK).upstream(&next).unwrap(),
+    ])
+    .unwrap()
+    .after_connect_failures(2)
+    .unwrap();
+    let start = Instant::now();
+    // The request's own URI is the mock's: only the primary target's upstream is dead.
+    let res = send(&server, policy(), layer).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let requests = server.requests();
+    assert_eq!(requests.len(), 1, "the primary never reached the mock");
+    assert_eq!(requests[0].received_at - start, ms(1_500));
+    assert_eq!(requests[0].uri.path(), "/next/v1/messages");
+    assert_only_value_changed(
+        REQUEST.as_bytes(),
+        &requests[0].body,
+        "model",
+        "\"claude-sonnet-4-5\"",
+    );
+    let trail = res.extensions().get::<RetryTrail>().unwrap().clone();
+    assert_eq!(classes(&trail), [Transport, Transport]);
+    let used = res.extensions().get::<ModelUsed>().unwrap().clone();
+    assert_eq!(used.model, FALLBACK);
+    let per_target: Vec<_> = used
+        .attempts
+        .iter()
+        .map(|t| {
+            (
+                t.model.as_str(),
+                t.upstream.as_ref().map(|u| u.to_string()),
+                t.attempts,
+            )
+        })
+        .collect();
+    assert_eq!(
+        per_target,
+        [
+            (PRIMARY, Some(format!("{dead}/")), 2),
+            (FALLBACK, Some(next), 1),
+        ]
+    );
+
+    // Without the trigger, refused connections are retried at the primary until the policy
+    // gives up; the mock sees nothing.
+    let layer = ModelFallbackLayer::new([
+        Target::new(PRIMARY).upstream(&dead).unwrap(),
+        Target::new(FALLBACK)
+            .upstream(&server.url("/next"))
+            .unwrap(),
+    ])
+    .unwrap()
+    .after_timeouts(1)
+    .unwrap();
+    let err = send(&server, policy().max_retries(2), layer)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    assert_eq!(classes(err.trail().unwrap()), [Transport; 3]);
+    assert_eq!(server.request_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reset_after_the_request_was_sent_is_no_connect_failure() {
+    let server = MockServer::start(by_model(|_| Reply::reset()))
+        .await
+        .unwrap();
+    let layer = chain().after_connect_failures(1).unwrap();
+    let err = send(&server, policy().max_retries(2), layer)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    let models: Vec<String> = server.requests().iter().map(model_of).collect();
+    assert_eq!(models, [PRIMARY; 3]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn connect_failures_count_against_the_circuit_when_their_trigger_is_on() {
+    let server = MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let dead = closed_port();
+    let layer = |connects: bool| {
+        let layer = ModelFallbackLayer::new([
+            Target::new(PRIMARY).upstream(&dead).unwrap(),
+            Target::new(FALLBACK).upstream(&server.url("")).unwrap(),
+        ])
+        .unwrap()
+        .after_timeouts(1)
+        .unwrap()
+        .circuit(Circuit::new().failures(1).cooldown(Duration::from_secs(60)))
+        .unwrap();
+        match connects {
+            true => layer.after_connect_failures(1).unwrap(),
+            false => layer,
+        }
+    };
+    // The trigger on: the refused attempt opens the primary's circuit, and the next request
+    // goes straight to the fallback.
+    let on = layer(true);
+    let svc = retried(&on);
+    let start = Instant::now();
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+            .await
+            .unwrap();
+        assert_eq!(res.extensions().get::<ModelUsed>().unwrap().model, FALLBACK);
+    }
+    assert_eq!(
+        seen(&server, start),
+        [
+            (FALLBACK.to_owned(), ms(500)),
+            (FALLBACK.to_owned(), ms(500))
+        ]
+    );
+    assert!(matches!(
+        on.circuit_states()[0].state,
+        CircuitState::Open { .. }
+    ));
+
+    // Off: a refused connection is no failure of the layer's trigger classes.
+    let off = layer(false);
+    let err = retried(&off)
+        .oneshot(anthropic_request(&server.url("/v1/messages"), REQUEST))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Exhausted);
+    assert!(off.circuit_states()[0].state.is_closed());
+}

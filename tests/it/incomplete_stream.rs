@@ -298,3 +298,53 @@ async fn a_stream_with_lone_cr_line_ends_is_judged_to_its_last_event() {
     );
     assert_eq!(server.request_count(), 1, "a client error is not retried");
 }
+
+/// The failover benchmark's fault S11 in the Anthropic dialect: the answer and its final
+/// `message_delta` (stop reason and usage) came, then the body ended cleanly without
+/// `message_stop`. Complete by its content: a clean end for the caller.
+#[tokio::test(start_paused = true)]
+async fn an_anthropic_stream_that_ends_after_its_stop_reason_is_complete() {
+    use tower_llm_retry::mock::sse;
+    let mut events = sse::anthropic_message(&["Complete ", "answer."]);
+    let stop = events.pop().unwrap();
+    assert!(stop.bytes().starts_with(b"event: message_stop\n"));
+    assert!(concat(&events).ends_with(b"\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":2}}\n\n"));
+    let server = MockServer::start(Script::new().then(Reply::sse(events.clone())))
+        .await
+        .unwrap();
+    let res = svc()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let (bytes, err) = drain(res.into_body()).await;
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(sha256(&bytes), sha256(&concat(&events)));
+    assert_eq!(server.request_count(), 1);
+}
+
+/// Cut before the `message_delta` that carries the stop reason: incomplete, as ever.
+#[tokio::test(start_paused = true)]
+async fn an_anthropic_stream_cut_before_its_stop_reason_is_incomplete() {
+    use tower_llm_retry::mock::sse;
+    let mut events = sse::anthropic_message(&["Partial ", "answer"]);
+    // message_start, content_block_start, two deltas, content_block_stop.
+    events.truncate(5);
+    let server = MockServer::start(Script::new().then(Reply::sse(events.clone())))
+        .await
+        .unwrap();
+    let res = svc()
+        .oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
+        .await
+        .unwrap();
+    let (bytes, err) = drain(res.into_body()).await;
+    assert_eq!(sha256(&bytes), sha256(&concat(&events)));
+    let err = err.expect("the cut before the stop reason");
+    assert_eq!(err.kind(), ErrorKind::IncompleteStream);
+    let cut = std::error::Error::source(&err)
+        .and_then(|s| s.downcast_ref::<IncompleteStream>())
+        .unwrap();
+    assert_eq!(cut.protocol(), StreamProtocol::AnthropicMessages);
+    assert_eq!(cut.last_event(), Some("content_block_stop"));
+    assert_eq!(server.request_count(), 1);
+}

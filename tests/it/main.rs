@@ -16,6 +16,7 @@ mod extremes;
 mod failover;
 mod fallback;
 mod faults;
+mod first_output;
 mod fleet;
 #[cfg(feature = "fleet-redis")]
 mod fleet_redis;
