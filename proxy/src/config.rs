@@ -193,6 +193,11 @@ pub struct Upstream {
     /// Longest silence between body frames, in seconds (before a stream's commit point a
     /// stall is retried; after it, the client gets the protocol's error). Defaults to 600.
     pub idle_timeout_secs: Option<u64>,
+    /// Time from an event stream's response head to its first output event, per attempt, in
+    /// seconds: none in time is a timeout of its own class before the commit point, retried
+    /// or failed over (`fallback_after_timeouts`) like a head timeout; never applied after
+    /// output. Defaults to none (off).
+    pub first_output_timeout_secs: Option<u64>,
     /// Total deadline per request, in seconds. Defaults to none.
     pub deadline_secs: Option<u64>,
     /// A model with a larger context window on this upstream, tried once for a prompt that
@@ -422,6 +427,7 @@ impl Upstream {
             retry_after_max_secs: None,
             head_timeout_secs: None,
             idle_timeout_secs: None,
+            first_output_timeout_secs: None,
             deadline_secs: None,
             context_window_fallback: None,
             resume: ResumeMode::Off,
@@ -713,6 +719,9 @@ impl Upstream {
         }
         if let Some(s) = self.idle_timeout_secs {
             policy = policy.idle_timeout(Some(Duration::from_secs(s)));
+        }
+        if let Some(s) = self.first_output_timeout_secs {
+            policy = policy.first_output_timeout(Some(Duration::from_secs(s)));
         }
         if let Some(s) = self.deadline_secs {
             policy = policy.deadline(Some(Duration::from_secs(s)));

@@ -458,8 +458,9 @@ fn build(
         if let Some(n) = up.fallback_after_timeouts {
             layer = layer.after_timeouts(n).map_err(|e| at(&e))?;
         }
-        // `fallback_after_connect_failures` is parsed and validated; the library's trigger
-        // for it is wired where it is defined.
+        if let Some(n) = up.fallback_after_connect_failures {
+            layer = layer.after_connect_failures(n).map_err(|e| at(&e))?;
+        }
         layer = layer.on_unwaitable_rate_limit(up.fallback_on_unwaitable_rate_limit);
         if let Some(circuit) = &up.circuit {
             layer = layer.circuit(circuit.circuit()).map_err(|e| at(&e))?;

@@ -124,11 +124,12 @@ impl ModelFallbackLayer {
         Ok(self)
     }
 
-    /// Also moves a request on at a rate limit with nowhere to wait: a `429` whose
-    /// `Retry-After` is above the policy's
-    /// [`retry_after_max`](crate::RetryPolicy::retry_after_max) (the retry goes to the next
-    /// target instead of giving up), or one met while every key of an
-    /// [`ApiKeyPool`] inside rests. Defaults to off.
+    /// Also moves a request on at once at a rate limit with nowhere to wait: a `429` with no
+    /// `Retry-After` (the server names no time at which waiting would help), one above the
+    /// policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max) or past what is left
+    /// of the request's [deadline](crate::RetryPolicy::deadline) (the retry goes to the next
+    /// target instead of giving up), or one met while every key of an [`ApiKeyPool`] inside
+    /// rests. At the last target the policy goes on as without the trigger. Defaults to off.
     ///
     #[cfg_attr(feature = "auth", doc = "[`ApiKeyPool`]: crate::auth::ApiKeyPool")]
     #[cfg_attr(not(feature = "auth"), doc = "[`ApiKeyPool`]: crate#features")]

@@ -105,7 +105,7 @@
 //! | `5xx`, `408`, `409`, `429`, a transport error, a head timeout, an idle stall or no output in time before the commit point, a truncated body | with [`after_failures(n)`](ModelFallbackLayer::after_failures), after `n` in a row |
 //! | a head timeout, an idle stall before the commit point, no first output within the policy's [`first_output_timeout`](crate::RetryPolicy::first_output_timeout), a `408` | with [`after_timeouts(n)`](ModelFallbackLayer::after_timeouts), after `n` in a row |
 //! | a connect failure: refused, DNS, TLS handshake, anything [`Classify::request_not_sent`](crate::classify::Classify::request_not_sent) calls unsent (not an HTTP/2 refusal on a live connection, which is re-sent at once) | with [`after_connect_failures(n)`](ModelFallbackLayer::after_connect_failures), after `n` in a row |
-//! | `429` with a `Retry-After` above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max), or with every key of an [`ApiKeyPool`] inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
+//! | `429` with nowhere to wait: no `Retry-After`, one above the policy's [`retry_after_max`](crate::RetryPolicy::retry_after_max) or past the request's [deadline](crate::RetryPolicy::deadline), or every key of an [`ApiKeyPool`] inside resting | with [`on_unwaitable_rate_limit(true)`](ModelFallbackLayer::on_unwaitable_rate_limit), at once (the retry goes to the next target instead of giving up or waiting) |
 //! | `400` validation, `401`, `403`, `404`, an exhausted quota, a context overflow | never |
 //! | anything after a stream's commit point | never: nothing is re-sent after output |
 //!

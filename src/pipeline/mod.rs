@@ -278,8 +278,8 @@ pub(crate) struct Failed {
     ///
     /// [`Classify::request_not_sent`]: crate::classify::Classify::request_not_sent
     pub(crate) connect_failed: bool,
-    /// A rate limit with nowhere to wait: a `Retry-After` above the policy's ceiling, or every
-    /// key of a pool resting.
+    /// A rate limit with nowhere to wait: no `Retry-After` at all, one above the policy's
+    /// ceiling or past the request's deadline, or every key of a pool resting.
     pub(crate) unwaitable: bool,
     /// How far down its fallback chain ModelFallbackLayer sent the attempt.
     pub(crate) level: Option<u32>,
@@ -304,7 +304,7 @@ impl Failed {
             timed_out: class == FailureClass::Timeout || timed_out,
             connect_failed: connect_failed && class != FailureClass::NotProcessed,
             unwaitable: class == FailureClass::RateLimited
-                && (keys_resting || c.retry_after().is_some_and(|ra| ra > retry_after_max)),
+                && (keys_resting || c.retry_after().is_none_or(|ra| ra > retry_after_max)),
             level,
         }
     }

@@ -395,7 +395,7 @@ where
             class: c,
             carried: &mut carried,
             keys_resting: false,
-            retry_after_max: self.policy().get_retry_after_max(),
+            retry_after_max: self.longest_wait(),
         };
         let judged = said.ask(&mut question);
         remark.keys_resting = question.keys_resting;
@@ -447,6 +447,15 @@ where
     pub(super) fn cancelled(&mut self) -> Error {
         self.trail.set_gave_up(GiveUpReason::Cancelled);
         Error::new(ErrorKind::Cancelled).with_trail(self.finished_trail())
+    }
+
+    /// The longest `Retry-After` this request can still wait: the policy's ceiling, cut to
+    /// what is left of the deadline. A rate limit that asks for more has nowhere to wait.
+    pub(super) fn longest_wait(&self) -> Duration {
+        let ceiling = self.policy().get_retry_after_max();
+        self.deadline.map_or(ceiling, |d| {
+            ceiling.min(d.saturating_duration_since(Instant::now()))
+        })
     }
 
     /// Whether the request's deadline has passed: no attempt may start.
@@ -634,7 +643,7 @@ where
             // whatever a custom classifier calls it).
             not_sent && !error.is_some_and(crate::classify::never_processed),
             remark.keys_resting,
-            self.policy().get_retry_after_max(),
+            self.longest_wait(),
             remark.level,
         );
         self.link_mut().carried_mut().failures.push(failed);

@@ -125,8 +125,6 @@ async fn an_overload_falls_over_to_the_second_upstream_with_its_own_key() {
 /// The failover benchmark's fault S04 in OpenAI's dialect: a 503 whose body says the server
 /// is overloaded, on every attempt.
 #[tokio::test(start_paused = true)]
-#[ignore = "needs OpenAI's 503 overloaded classified as an overload (the library's part of \
-            the same change)"]
 async fn an_openai_503_overloaded_falls_over_to_the_second_upstream() {
     let (h, second) = start_two(
         Script::always(Reply::openai_error(

@@ -202,7 +202,7 @@ fallback_threshold = 1
             r#"first_output_timeout_secs = 10
 context_window_fallback = "{LARGER_MODEL}"
 resume = "prefill"
-fallback = [{{ model = "{FALLBACK_MODEL}", upstream = "fallback", resume = "prefill" }}]
+fallback = ["{PRIMARY_MODEL}", {{ model = "{FALLBACK_MODEL}", upstream = "fallback", resume = "prefill" }}]
 fallback_after_failures = 2
 fallback_after_timeouts = 1
 fallback_on_unwaitable_rate_limit = true
@@ -230,7 +230,6 @@ idle_timeout_secs = 30
 }
 
 #[test]
-#[ignore = "needs the failover config keys (fallback targets on another upstream, the triggers, the circuit, first_output_timeout_secs, context_window_fallback, resume)"]
 fn the_fault_config_is_the_agreed_shape() {
     for dialect in [Dialect::OpenAi, Dialect::Anthropic] {
         let toml = fault_toml("http://127.0.0.1:1", "http://127.0.0.1:2", dialect, true);
@@ -1565,13 +1564,11 @@ async fn s01_rate_limit_with_retry_after_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs fallback_on_unwaitable_rate_limit and a fallback target on another upstream"]
 async fn s02_persistent_rate_limit_without_retry_after_openai() {
     s02(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs fallback_on_unwaitable_rate_limit and a fallback target on another upstream"]
 async fn s02_persistent_rate_limit_without_retry_after_anthropic() {
     s02(Dialect::Anthropic).await;
 }
@@ -1587,13 +1584,11 @@ async fn s03_server_error_once_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs OpenAI's 503 overloaded as an overload and a fallback target on another upstream"]
 async fn s04_persistent_overload_openai() {
     s04(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs a fallback target on another upstream"]
 async fn s04_persistent_overload_anthropic() {
     s04(Dialect::Anthropic).await;
 }
@@ -1609,25 +1604,21 @@ async fn s05_reset_before_the_head_once_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs fallback_after_timeouts and a fallback target on another upstream"]
 async fn s06_no_response_at_all_openai() {
     s06(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs fallback_after_timeouts and a fallback target on another upstream"]
 async fn s06_no_response_at_all_anthropic() {
     s06(Dialect::Anthropic).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs first_output_timeout_secs and a fallback target on another upstream"]
 async fn s07_slow_first_token_openai() {
     s07(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs first_output_timeout_secs and a fallback target on another upstream"]
 async fn s07_slow_first_token_anthropic() {
     s07(Dialect::Anthropic).await;
 }
@@ -1672,19 +1663,16 @@ async fn s11_no_final_sentinel_openai() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs Anthropic completeness by content (a message_delta with a stop_reason ends the stream)"]
 async fn s11_no_final_sentinel_anthropic() {
     s11(Dialect::Anthropic).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs context_window_fallback"]
 async fn s12_context_length_exceeded_openai() {
     s12(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs context_window_fallback"]
 async fn s12_context_length_exceeded_anthropic() {
     s12(Dialect::Anthropic).await;
 }
@@ -1712,25 +1700,21 @@ async fn s14_fallback_rejects_prefill_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs OpenAI's 503 overloaded as an overload, a fallback target on another upstream and [upstream.circuit]"]
 async fn s15_primary_flaps_openai() {
     s15(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs a fallback target on another upstream and [upstream.circuit]"]
 async fn s15_primary_flaps_anthropic() {
     s15(Dialect::Anthropic).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs OpenAI's 503 overloaded as an overload, a fallback target on another upstream and x-llm-retry-upstream"]
 async fn s16_failover_accounting_openai() {
     s16(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs a fallback target on another upstream and x-llm-retry-upstream"]
 async fn s16_failover_accounting_anthropic() {
     s16(Dialect::Anthropic).await;
 }
