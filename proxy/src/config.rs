@@ -192,8 +192,18 @@ pub struct Upstream {
     /// Longest silence between body frames, in seconds (before a stream's commit point a
     /// stall is retried; after it, the client gets the protocol's error). Defaults to 600.
     pub idle_timeout_secs: Option<u64>,
-    /// Total deadline per request, in seconds. Defaults to none.
+    /// The longest a client of this upstream waits, in seconds: the retry loop of every
+    /// request ends that long, less a margin for the answer to travel back (5 %, at least
+    /// 1 s, at most half), after the request arrived. For clients that do not advertise their
+    /// own timeout (the Node SDKs); a shorter one a request advertises wins (see
+    /// `client_deadline`). Defaults to none.
     pub deadline_secs: Option<u64>,
+    /// Honour the timeout the official Python SDKs advertise with each request
+    /// (`x-stainless-read-timeout`, `x-stainless-timeout`): the retry loop ends before the
+    /// client would stop waiting, less the same margin as `deadline_secs`. A value that is not
+    /// a sensible number of seconds is ignored. The proxy's own `x-llm-retry-deadline` applies
+    /// either way. Defaults to `true`.
+    pub client_deadline: bool,
     /// Models to fall back to after repeated overloads, in order. Defaults to none.
     pub fallback: Vec<String>,
     /// Consecutive overloads before the next model is tried. Defaults to 3.
@@ -246,6 +256,7 @@ impl Upstream {
             head_timeout_secs: None,
             idle_timeout_secs: None,
             deadline_secs: None,
+            client_deadline: true,
             fallback: Vec::new(),
             fallback_threshold: 3,
             overflow_repair: true,
@@ -310,7 +321,7 @@ impl Upstream {
             policy = policy.idle_timeout(Some(Duration::from_secs(s)));
         }
         if let Some(s) = self.deadline_secs {
-            policy = policy.deadline(Some(Duration::from_secs(s)));
+            policy = policy.deadline(Some(crate::deadline::bound(Duration::from_secs(s))));
         }
         policy
     }

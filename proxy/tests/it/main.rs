@@ -5,6 +5,7 @@
 mod common;
 
 mod bad_input;
+mod deadline;
 mod forwarding;
 mod ops;
 mod replicas;
