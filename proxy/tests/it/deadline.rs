@@ -315,6 +315,38 @@ async fn a_deadline_that_passes_during_an_attempt_ends_it_not_to_be_retried() {
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_stream_without_output_by_the_deadline_is_a_504_not_to_retry() {
+    // The head at once, the first event after 10 s: the loop reads a stream up to its first
+    // output before it answers, and that read ends at the deadline (6 s less 1 s).
+    let events: Vec<SseFrame> = sse::anthropic_message(&["late"])
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            if i == 0 {
+                e.after(Duration::from_secs(10))
+            } else {
+                e
+            }
+        })
+        .collect();
+    let h = start(Script::always(Reply::sse(events))).await;
+    let req = h
+        .post("/v1/messages", MESSAGES_STREAM)
+        .header("x-llm-retry-deadline", "6")
+        .body(Full::from(MESSAGES_STREAM))
+        .unwrap();
+    let t0 = Instant::now();
+    let res = h.send(req).await;
+    assert_eq!(t0.elapsed(), Duration::from_secs(5));
+    assert_eq!(res.status(), 504);
+    assert_eq!(header(&res, "x-should-retry"), Some("false"));
+    assert_eq!(header(&res, "x-llm-retry-error"), Some("deadline"));
+    assert_eq!(header(&res, "x-llm-retry-attempts"), Some("1"));
+    assert_eq!(json(res).await["error"]["type"], "api_error");
+    assert_eq!(h.mock.request_count(), 1);
+}
+
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
 
