@@ -382,15 +382,19 @@ fn capture() -> (Captured, tracing::subscriber::DefaultGuard) {
     (logs, tracing::subscriber::set_default(subscriber))
 }
 
-/// The `requests_total` samples of the Anthropic upstream.
+/// The `requests_total` samples of the Anthropic upstream, sorted (a family renders its
+/// samples in no set order).
 fn request_samples(h: &Harness) -> Vec<String> {
-    h.proxy
+    let mut samples: Vec<String> = h
+        .proxy
         .metrics()
         .render()
         .lines()
         .filter(|l| l.starts_with("llm_retry_proxy_requests_total{upstream=\"anthropic\""))
         .map(str::to_owned)
-        .collect()
+        .collect();
+    samples.sort_unstable();
+    samples
 }
 
 #[tokio::test(start_paused = true)]
