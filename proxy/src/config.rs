@@ -918,6 +918,19 @@ mod tests {
     }
 
     #[test]
+    fn the_client_deadline_is_honoured_unless_turned_off() {
+        assert!(Upstream::default().client_deadline);
+        let c = Config::from_toml(
+            "[[upstream]]\nname = \"a\"\ndeadline_secs = 30\nclient_deadline = false\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(!c.upstream[0].client_deadline);
+        assert_eq!(c.upstream[0].deadline_secs, Some(30));
+        assert!(c.masked().contains("client_deadline = false"));
+    }
+
+    #[test]
     fn a_concurrency_cap_above_what_a_semaphore_holds_is_refused() {
         let c = Config {
             max_concurrent_requests: usize::MAX,

@@ -497,7 +497,8 @@ impl State {
                 .insert(up.apply_timeouts(p.policy()));
         }
         // The upstream's `deadline_secs` already bounds the policy, less the same margin: a
-        // shorter deadline of the client's replaces it, and only it.
+        // shorter deadline of the client's replaces it, and only it. The library's deadline
+        // runs from the call, once the body is read: where an SDK's read timeout starts too.
         if let Some(t) = client_deadline {
             if up.deadline_secs.is_none_or(|s| t < Duration::from_secs(s)) {
                 upstream_req

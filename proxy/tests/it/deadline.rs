@@ -397,52 +397,62 @@ fn request_samples(h: &Harness) -> Vec<String> {
     samples
 }
 
+fn http2_client() -> HttpClient {
+    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+    tcp.set_nodelay(true);
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build(tcp)
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_client_that_hangs_up_while_the_proxy_backs_off_is_counted_and_stops_the_loop() {
-    let (logs, _guard) = capture();
-    let h = start(Script::always(unavailable())).await;
-    let req = h
-        .post("/v1/messages", MESSAGES)
-        .body(Full::from(MESSAGES))
-        .unwrap();
-    let client = h.client.clone();
-    let call = tokio::spawn(async move { client.request(req).await });
-    while h.mock.request_count() < 1 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+    // HTTP/1.1: the connection closes. HTTP/2: the stream is reset, the connection lives on.
+    for (protocol, client) in [("HTTP/1.1", client()), ("HTTP/2", http2_client())] {
+        let (logs, _guard) = capture();
+        let h = start(Script::always(unavailable())).await;
+        let req = h
+            .post("/v1/messages", MESSAGES)
+            .body(Full::from(MESSAGES))
+            .unwrap();
+        let c = client.clone();
+        let call = tokio::spawn(async move { c.request(req).await });
+        while h.mock.request_count() < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // The proxy is now sleeping before its first retry (0.5 s to 0.625 s): the client
+        // goes.
+        call.abort();
+        assert!(call.await.unwrap_err().is_cancelled());
+        let seen = h.mock.request_count();
+        assert_eq!(seen, 1, "{protocol}");
+        // Far past every backoff of the default policy: no further attempt.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert_eq!(
+            h.mock.request_count(),
+            seen,
+            "{protocol}: the loop went on without its client"
+        );
+        assert_eq!(
+            request_samples(&h),
+            ["llm_retry_proxy_requests_total{upstream=\"anthropic\",status=\"client_gone\"} 1"],
+            "{protocol}"
+        );
+        let m = h.proxy.metrics().render();
+        for line in [
+            "llm_retry_proxy_attempts_total{upstream=\"anthropic\"} 1",
+            "llm_retry_proxy_in_flight 0",
+        ] {
+            assert!(m.contains(line), "{protocol}: missing {line}:\n{m}");
+        }
+        let lines = logs.lines_with("client gone");
+        assert_eq!(lines.len(), 1, "{protocol}: {lines:?}");
+        let line = &lines[0];
+        assert!(line.contains("before the response head"), "{line}");
+        assert!(line.contains("upstream=anthropic"), "{line}");
+        assert!(line.contains("path=/v1/messages"), "{line}");
+        assert!(!line.contains("sk-client"), "{line}");
     }
-    // The proxy is now sleeping before its first retry (0.5 s to 0.625 s): the client goes.
-    call.abort();
-    assert!(call.await.unwrap_err().is_cancelled());
-    let seen = h.mock.request_count();
-    assert_eq!(seen, 1);
-    // Far past every backoff of the default policy: no further attempt.
-    tokio::time::sleep(Duration::from_secs(600)).await;
-    assert_eq!(
-        h.mock.request_count(),
-        seen,
-        "the loop went on without its client"
-    );
-    assert_eq!(
-        request_samples(&h),
-        ["llm_retry_proxy_requests_total{upstream=\"anthropic\",status=\"client_gone\"} 1"]
-    );
-    let m = h.proxy.metrics().render();
-    for line in [
-        "llm_retry_proxy_attempts_total{upstream=\"anthropic\"} 1",
-        "llm_retry_proxy_in_flight 0",
-    ] {
-        assert!(m.contains(line), "missing {line}:\n{m}");
-    }
-    let lines = logs.lines_with("client gone");
-    assert_eq!(lines.len(), 1, "{lines:?}");
-    assert!(
-        lines[0].contains("before the response head"),
-        "{}",
-        lines[0]
-    );
-    assert!(lines[0].contains("upstream=anthropic"), "{}", lines[0]);
-    assert!(lines[0].contains("path=/v1/messages"), "{}", lines[0]);
-    assert!(!lines[0].contains("sk-client"), "{}", lines[0]);
 }
 
 #[tokio::test(start_paused = true)]
