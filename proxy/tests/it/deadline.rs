@@ -129,6 +129,21 @@ async fn the_proxys_own_deadline_header_bounds_the_loop_and_is_stripped() {
         .requests()
         .iter()
         .all(|r| !r.headers.contains_key("x-llm-retry-deadline")));
+
+    // 5 s: 4 s for the loop, inside the fourth attempt's window, so the jitter decides
+    // whether it is made; the answer comes by 4 s either way.
+    let (_h, got) = against_unavailable(&[("x-llm-retry-deadline", "5")], |_| {}).await;
+    assert!((3..=4).contains(&got.attempts), "{}", got.attempts);
+    assert_eq!(got.status, 503);
+    assert_eq!(got.should_retry.as_deref(), Some("false"));
+    assert_eq!(got.gave_up.as_deref(), Some("deadline"));
+    let (earliest, _) = attempt_window(got.attempts);
+    assert!(
+        earliest <= got.took && got.took <= secs(4.0),
+        "{:?} after {} attempts",
+        got.took,
+        got.attempts
+    );
 }
 
 #[tokio::test(start_paused = true)]
