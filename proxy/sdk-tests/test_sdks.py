@@ -8,6 +8,7 @@ Run by run.sh with PROXY_URL and MOCK_URL set.
 import json
 import os
 import sys
+import time
 import traceback
 import urllib.request
 import uuid
@@ -161,6 +162,55 @@ def test_openai_cut_after_output_raises():
 
 def test_openai_clean_cut_after_output_raises():
     return _openai_stream_raises("clean_cut_after_output")
+
+
+# The client deadline: an SDK that waits SDK_TIMEOUT seconds against an upstream whose every
+# attempt answers 503 after SLOW_MS. The demo's loop (4 attempts, about 4.7 s) would outlast the
+# SDK, which would time out and retry the proxy; bounded by the timeout the SDK advertises
+# (x-stainless-read-timeout; 4 s less the 1 s margin) the proxy answers at 3 s, after 3
+# attempts, with x-should-retry: false, and the SDK raises without a retry of its own.
+SDK_TIMEOUT = 4
+SLOW_MS = 1000
+ATTEMPTS_WITHIN_DEADLINE = 3
+
+
+def _raises_within_its_timeout(call, status_error):
+    mock_id, h = headers(f"slow_unavailable:{SLOW_MS}")
+    start = time.monotonic()
+    try:
+        call(h)
+    except status_error as e:
+        took = time.monotonic() - start
+        assert e.status_code in (502, 503), e
+        assert e.response.headers["x-should-retry"] == "false", e.response.headers
+        proxy_attempts = int(e.response.headers["x-llm-retry-attempts"])
+    else:
+        raise AssertionError("an unavailable upstream returned an answer")
+    # One request from the SDK: the mock saw the proxy's attempts of it and no more.
+    assert proxy_attempts == ATTEMPTS_WITHIN_DEADLINE, proxy_attempts
+    assert attempts(mock_id) == proxy_attempts, (attempts(mock_id), proxy_attempts)
+    assert took < SDK_TIMEOUT, took
+    return f"{took:.2f} s, {proxy_attempts} attempts"
+
+
+def test_anthropic_timeout_bounds_the_proxys_loop():
+    client = anthropic.Anthropic(api_key="demo", base_url=PROXY, timeout=SDK_TIMEOUT)
+    return _raises_within_its_timeout(
+        lambda h: client.messages.create(
+            model="claude-test", max_tokens=64, messages=MSG, extra_headers=h
+        ),
+        anthropic.APIStatusError,
+    )
+
+
+def test_openai_timeout_bounds_the_proxys_loop():
+    client = openai.OpenAI(
+        api_key="demo", base_url=f"{PROXY}/v1", timeout=SDK_TIMEOUT, max_retries=2
+    )
+    return _raises_within_its_timeout(
+        lambda h: client.chat.completions.create(model="gpt-test", messages=MSG, extra_headers=h),
+        openai.APIStatusError,
+    )
 
 
 def main():

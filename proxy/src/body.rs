@@ -24,6 +24,18 @@ const FLUSH_GRACE: Duration = Duration::from_millis(20);
 /// Told when a stream is cut after its commit point, with the error's kind.
 pub type OnAbort = Box<dyn FnOnce(&'static str) + Send>;
 
+/// How a response body ended, as told to [`ProxyBody::on_end`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Sent to its end, or to the error that cut it.
+    Complete,
+    /// Dropped before its end: the client hung up (or the drain cut it).
+    Dropped,
+}
+
+/// Told once how a body ended.
+pub type OnEnd = Box<dyn FnOnce(Ended) + Send>;
+
 /// The body of every response the proxy sends.
 pub struct ProxyBody {
     inner: UnsyncBoxBody<Bytes, BoxError>,
@@ -31,6 +43,7 @@ pub struct ProxyBody {
     at_boundary: bool,
     state: State,
     on_abort: Option<OnAbort>,
+    on_end: Option<OnEnd>,
     // Held until the body is dropped: a stream counts against the concurrency cap while it
     // runs.
     _permit: Option<OwnedSemaphorePermit>,
@@ -79,8 +92,33 @@ impl ProxyBody {
             at_boundary: true,
             state: State::Streaming,
             on_abort: None,
+            on_end: None,
             _permit: permit,
         }
+    }
+
+    /// Calls `f` once, when the body ends or is dropped, with how it ended.
+    pub fn on_end(mut self, f: OnEnd) -> Self {
+        self.on_end = Some(f);
+        self
+    }
+
+    fn ended(&mut self, how: Ended) {
+        if let Some(f) = self.on_end.take() {
+            f(how);
+        }
+    }
+}
+
+impl Drop for ProxyBody {
+    fn drop(&mut self) {
+        // hyper stops polling a body that says it is at its end, and drops it: only a body
+        // still streaming, with more to come, was cut short by its reader.
+        let how = match self.state {
+            State::Streaming if !self.inner.is_end_stream() => Ended::Dropped,
+            _ => Ended::Complete,
+        };
+        self.ended(how);
     }
 }
 
@@ -109,6 +147,7 @@ impl Body for ProxyBody {
                 std::task::ready!(sleep.as_mut().poll(cx));
                 let err = err.take();
                 this.state = State::Done;
+                this.ended(Ended::Complete);
                 return Poll::Ready(err.map(Err));
             }
             State::Streaming => {}
@@ -124,6 +163,7 @@ impl Body for ProxyBody {
             }
             None => {
                 this.state = State::Done;
+                this.ended(Ended::Complete);
                 Poll::Ready(None)
             }
             Some(Err(e)) => {
@@ -137,6 +177,7 @@ impl Body for ProxyBody {
                 }
                 let Some(style) = this.style else {
                     this.state = State::Done;
+                    this.ended(Ended::Complete);
                     return Poll::Ready(Some(Err(e)));
                 };
                 let message = format!(

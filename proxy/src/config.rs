@@ -198,8 +198,18 @@ pub struct Upstream {
     /// or failed over (`fallback_after_timeouts`) like a head timeout; never applied after
     /// output. Defaults to none (off).
     pub first_output_timeout_secs: Option<u64>,
-    /// Total deadline per request, in seconds. Defaults to none.
+    /// The longest a client of this upstream waits, in seconds: the retry loop of every
+    /// request ends that long, less a margin for the answer to travel back (5 %, at least
+    /// 1 s, at most half), after the request arrived. For clients that do not advertise their
+    /// own timeout (the Node SDKs); a shorter one a request advertises wins (see
+    /// `client_deadline`). Defaults to none.
     pub deadline_secs: Option<u64>,
+    /// Honour the timeout the official Python SDKs advertise with each request
+    /// (`x-stainless-read-timeout`, `x-stainless-timeout`): the retry loop ends before the
+    /// client would stop waiting, less the same margin as `deadline_secs`. A value that is not
+    /// a sensible number of seconds is ignored. The proxy's own `x-llm-retry-deadline` applies
+    /// either way. Defaults to `true`.
+    pub client_deadline: bool,
     /// A model with a larger context window on this upstream, tried once for a prompt that
     /// no lower `max_tokens` can fit (needs `overflow_repair`). Defaults to none.
     pub context_window_fallback: Option<String>,
@@ -431,6 +441,7 @@ impl Upstream {
             deadline_secs: None,
             context_window_fallback: None,
             resume: ResumeMode::Off,
+            client_deadline: true,
             fallback: Vec::new(),
             fallback_threshold: 3,
             fallback_after_failures: None,
@@ -724,7 +735,7 @@ impl Upstream {
             policy = policy.first_output_timeout(Some(Duration::from_secs(s)));
         }
         if let Some(s) = self.deadline_secs {
-            policy = policy.deadline(Some(Duration::from_secs(s)));
+            policy = policy.deadline(Some(crate::deadline::bound(Duration::from_secs(s))));
         }
         policy
     }
@@ -1340,6 +1351,19 @@ mod tests {
         .unwrap();
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("A_B"), "{e}");
+    }
+
+    #[test]
+    fn the_client_deadline_is_honoured_unless_turned_off() {
+        assert!(Upstream::default().client_deadline);
+        let c = Config::from_toml(
+            "[[upstream]]\nname = \"a\"\ndeadline_secs = 30\nclient_deadline = false\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(!c.upstream[0].client_deadline);
+        assert_eq!(c.upstream[0].deadline_secs, Some(30));
+        assert!(c.masked().contains("client_deadline = false"));
     }
 
     #[test]

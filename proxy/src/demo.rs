@@ -20,11 +20,13 @@
 //! | `cut_after_output` | always: a stream with output, then the connection reset |
 //! | `clean_cut_after_output` | always: a stream with output that ends cleanly, without its terminal event |
 //! | `always_overloaded` | always overloaded |
+//! | `slow_unavailable:MS` | always `503` (a plain server error, no overload), answered after `MS` milliseconds |
 //! | `overloaded_model` | overloaded while the body's model is `claude-primary`; success for any other model |
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use serde_json::json;
 use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script, SseFrame};
@@ -85,6 +87,7 @@ pub fn script() -> Script {
             "cut_after_output" => Reply::sse_then_reset(partial_events(openai)),
             "clean_cut_after_output" => Reply::sse(partial_events(openai)),
             "always_overloaded" => overloaded(openai),
+            "slow_unavailable" => unavailable(openai).delay(Duration::from_millis(k)),
             "overloaded_model" if model(req).as_deref() == Some("claude-primary") => {
                 overloaded(openai)
             }
@@ -114,6 +117,18 @@ fn overloaded(openai: bool) -> Reply {
         )
     } else {
         Reply::overloaded()
+    }
+}
+
+fn unavailable(openai: bool) -> Reply {
+    if openai {
+        Reply::openai_error(
+            503,
+            "service_unavailable",
+            "Service temporarily unavailable.",
+        )
+    } else {
+        Reply::anthropic_error(503, "api_error", "Service temporarily unavailable.")
     }
 }
 

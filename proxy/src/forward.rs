@@ -19,6 +19,8 @@ const HOP_BY_HOP: &[HeaderName] = &[
 pub const RETRY_SWITCH: &str = "x-llm-retry";
 /// Picks a preset for one request.
 pub const RETRY_POLICY: &str = "x-llm-retry-policy";
+/// Bounds one request's retry loop, in seconds (see [`crate::deadline`]).
+pub const CLIENT_DEADLINE: &str = "x-llm-retry-deadline";
 /// Where a client may present the proxy's token (besides `x-api-key` and `authorization`).
 pub const CLIENT_TOKEN: &str = "x-llm-retry-token";
 /// The official SDKs' attempt counter: above 0, the client is retrying the proxy.
@@ -50,6 +52,7 @@ pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
     headers.remove(header::CONTENT_LENGTH);
     headers.remove(RETRY_SWITCH);
     headers.remove(RETRY_POLICY);
+    headers.remove(CLIENT_DEADLINE);
     headers.remove(CLIENT_TOKEN);
     if holds_keys {
         headers.remove(header::AUTHORIZATION);
@@ -93,6 +96,7 @@ mod tests {
             ("transfer-encoding", "chunked"),
             ("x-llm-retry", "off"),
             ("x-llm-retry-policy", "patient"),
+            ("x-llm-retry-deadline", "30"),
             ("x-api-key", "sk-1"),
             ("anthropic-version", "2023-06-01"),
             ("content-length", "12"),

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -23,7 +23,24 @@ struct Up {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Req {
     upstream: String,
-    status: u16,
+    status: Outcome,
+}
+
+/// How a request ended, as the `status` label says it: the status answered, or
+/// `client_gone` when the client hung up first.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+enum Outcome {
+    Status(u16),
+    ClientGone,
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Status(code) => EncodeLabelValue::encode(code, encoder),
+            Outcome::ClientGone => EncodeLabelValue::encode(&"client_gone", encoder),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -117,7 +134,7 @@ impl Metrics {
         let r = &mut m.registry;
         r.register(
             "requests",
-            "Requests answered, by upstream and final status",
+            "Requests answered, by upstream and final status (client_gone: the client hung up before the end)",
             m.requests.clone(),
         );
         r.register("attempts", "Attempts sent upstream", m.attempts.clone());
@@ -248,7 +265,17 @@ impl Metrics {
         self.requests
             .get_or_create(&Req {
                 upstream: upstream.into(),
-                status,
+                status: Outcome::Status(status),
+            })
+            .inc();
+    }
+
+    /// A request whose client hung up before its response head, or before its body's end.
+    pub(crate) fn client_gone(&self, upstream: &str) {
+        self.requests
+            .get_or_create(&Req {
+                upstream: upstream.into(),
+                status: Outcome::ClientGone,
             })
             .inc();
     }

@@ -7,6 +7,7 @@ use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
@@ -24,11 +25,12 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
 use tower_llm_retry::fallback::ModelUsed;
-use tower_llm_retry::retry::{GiveUpReason, NoRetry};
+use tower_llm_retry::retry::{GiveUpReason, NoRetry, Override};
 use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
-use crate::body::ProxyBody;
+use crate::body::{Ended, ProxyBody};
 use crate::config::{Config, ConfigError, Kind, Preset, Secret};
+use crate::deadline;
 use crate::envelope::{self, Reject, StreamStyle};
 use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
 use crate::metrics::{reason_name, Metrics};
@@ -360,6 +362,36 @@ impl State {
                 &format!("no upstream serves {} {path}", req.method()),
             );
         };
+        // Armed until the handler returns: hyper drops this future when the client hangs up
+        // before the response head, and the guard then logs and counts the request.
+        let mut gone = ClientGone {
+            metrics: &self.metrics,
+            upstream: &self.factories[route.upstream].upstream().name,
+            method: req.method().clone(),
+            path: route
+                .path_and_query
+                .split('?')
+                .next()
+                .unwrap_or("")
+                .to_owned(),
+            start,
+            armed: true,
+        };
+        let res = self.forward(req, route, &gone).await;
+        gone.armed = false;
+        res
+    }
+
+    async fn forward<B>(
+        self: &Arc<Self>,
+        req: Request<B>,
+        route: crate::routes::Route,
+        gone: &ClientGone<'_>,
+    ) -> Response<ProxyBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
         let factory = &self.factories[route.upstream];
         let up = factory.upstream().clone();
         let kind = up.kind;
@@ -376,6 +408,10 @@ impl State {
 
         let (mode, preset) = match retry_headers(req.headers()) {
             Ok(x) => x,
+            Err(msg) => return self.reject(kind, Reject::BadHeader, &msg),
+        };
+        let client_deadline = match deadline::requested(req.headers(), up.client_deadline) {
+            Ok(d) => d,
             Err(msg) => return self.reject(kind, Reject::BadHeader, &msg),
         };
 
@@ -453,7 +489,7 @@ impl State {
             }
         };
         let mut upstream_req = Request::new(Full::new(body));
-        *upstream_req.method_mut() = parts.method.clone();
+        *upstream_req.method_mut() = parts.method;
         *upstream_req.uri_mut() = uri;
         *upstream_req.headers_mut() = forward::request_headers(parts.headers, factory.holds_keys());
         match mode {
@@ -470,6 +506,16 @@ impl State {
             upstream_req
                 .extensions_mut()
                 .insert(up.apply_timeouts(p.policy()));
+        }
+        // The upstream's `deadline_secs` already bounds the policy, less the same margin: a
+        // shorter deadline of the client's replaces it, and only it. The library's deadline
+        // runs from the call, once the body is read: where an SDK's read timeout starts too.
+        if let Some(t) = client_deadline {
+            if up.deadline_secs.is_none_or(|s| t < Duration::from_secs(s)) {
+                upstream_req
+                    .extensions_mut()
+                    .insert(Override::new().deadline(Some(deadline::bound(t))));
+            }
         }
 
         // An SDK's retry of the proxy is a retry: it draws on the tenant's client budget,
@@ -495,13 +541,7 @@ impl State {
             }
         }
         let stack = factory.stack();
-        let path = route
-            .path_and_query
-            .split('?')
-            .next()
-            .unwrap_or("")
-            .to_owned();
-        let method = parts.method;
+        let (path, method, start) = (&gone.path, &gone.method, gone.start);
         match stack.oneshot(upstream_req).await {
             Ok(res) => {
                 let (mut head, body) = res.into_parts();
@@ -535,7 +575,13 @@ impl State {
                         self.metrics.overhead(start.elapsed().saturating_sub(*d));
                     }
                 }
-                self.metrics.request(&up.name, head.status.as_u16());
+                let status = head.status.as_u16();
+                let sse = is_event_stream(&head.headers);
+                // A stream is counted when it ends: by its status, or as `client_gone` when the
+                // client hangs up first.
+                if !sse {
+                    self.metrics.request(&up.name, status);
+                }
                 tracing::info!(
                     method = %method,
                     upstream = %up.name,
@@ -545,8 +591,7 @@ impl State {
                     ms = start.elapsed().as_millis() as u64,
                     "request"
                 );
-                let sse = is_event_stream(&head.headers);
-                let style = sse.then(|| StreamStyle::for_route(kind, &path));
+                let style = sse.then(|| StreamStyle::for_route(kind, path));
                 if sse {
                     // The stream may end with an error event of the proxy's: its length is
                     // not the upstream's to state.
@@ -556,10 +601,15 @@ impl State {
                 let name = up.name.clone();
                 let on_abort: crate::body::OnAbort =
                     Box::new(move |k| metrics.stream_abort(&name, k));
-                Response::from_parts(
-                    head,
-                    ProxyBody::upstream(body, style, Some(permit), Some(on_abort)),
-                )
+                let mut body = ProxyBody::upstream(body, style, Some(permit), Some(on_abort));
+                if sse {
+                    let state = self.clone();
+                    let (name, method, path) = (up.name.clone(), method.clone(), path.clone());
+                    body = body.on_end(Box::new(move |how| {
+                        state.stream_ended(how, &name, status, &method, &path, start)
+                    }));
+                }
+                Response::from_parts(head, body)
             }
             Err(e) => {
                 let lib = e.downcast_ref::<tower_llm_retry::Error>();
@@ -607,6 +657,32 @@ impl State {
         }
     }
 
+    /// Counts a stream when its body ends: by its status, or as `client_gone` when the client
+    /// dropped it first. A stream the drain cuts was not the client's doing: its status.
+    fn stream_ended(
+        &self,
+        how: Ended,
+        upstream: &str,
+        status: u16,
+        method: &Method,
+        path: &str,
+        start: Instant,
+    ) {
+        if how == Ended::Dropped && !self.draining.load(Ordering::SeqCst) {
+            tracing::info!(
+                method = %method,
+                upstream = %upstream,
+                path = %path,
+                status,
+                ms = start.elapsed().as_millis() as u64,
+                "client gone before the end of the response"
+            );
+            self.metrics.client_gone(upstream);
+        } else {
+            self.metrics.request(upstream, status);
+        }
+    }
+
     fn token_ok(&self, headers: &HeaderMap) -> bool {
         let Some(expected) = &self.client_token else {
             return false;
@@ -617,6 +693,33 @@ impl State {
             ok |= digest.ct_eq(expected);
         }
         ok.into()
+    }
+}
+
+/// Logs and counts a request whose client hung up before its response head: the handler's
+/// future, which holds this, is dropped by hyper then, and the loop with it (its attempts are
+/// counted as they are made).
+struct ClientGone<'a> {
+    metrics: &'a Metrics,
+    upstream: &'a str,
+    method: Method,
+    path: String,
+    start: Instant,
+    armed: bool,
+}
+
+impl Drop for ClientGone<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(
+                method = %self.method,
+                upstream = %self.upstream,
+                path = %self.path,
+                ms = self.start.elapsed().as_millis() as u64,
+                "client gone before the response head"
+            );
+            self.metrics.client_gone(self.upstream);
+        }
     }
 }
 
