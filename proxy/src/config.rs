@@ -152,6 +152,20 @@ impl Preset {
     }
 }
 
+/// Whether and how a stream cut after output is resumed (see [`Upstream::resume`]).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Not resumed: the client gets the protocol's error event.
+    #[default]
+    Off,
+    /// The partial text as an assistant prefill (Anthropic); an instruction where the API has
+    /// no prefill or answers it with `400`.
+    Prefill,
+    /// The partial text as an assistant turn, then a user turn asking for the rest.
+    Instruction,
+}
+
 /// Where upstream TLS trust comes from.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -198,6 +212,14 @@ pub struct Upstream {
     pub fallback: Vec<String>,
     /// Consecutive overloads before the next model is tried. Defaults to 3.
     pub fallback_threshold: u32,
+    /// What to do when a streamed text answer (Chat Completions, Messages) is cut after
+    /// output: a reset, a stall past the idle timeout, or an end without its terminal event.
+    /// `off` ends it with the protocol's error event; `prefill` sends a continuation through
+    /// this upstream's stack carrying the partial text as an assistant prefill (Anthropic;
+    /// an instruction for OpenAI, and after a `400`) and splices it into the client's one
+    /// stream; `instruction` sends the partial text followed by a request to continue. Never
+    /// for a tool call. Defaults to `off`.
+    pub resume: ResumeMode,
     /// Lower a `max_tokens` that does not fit the context window and re-send once.
     /// Defaults to `true`.
     pub overflow_repair: bool,
@@ -248,6 +270,7 @@ impl Upstream {
             deadline_secs: None,
             fallback: Vec::new(),
             fallback_threshold: 3,
+            resume: ResumeMode::Off,
             overflow_repair: true,
             budget: true,
             gate: true,

@@ -33,5 +33,5 @@ pub mod routes;
 pub mod server;
 pub mod stack;
 
-pub use crate::config::{Config, ConfigError, Kind, Preset, Upstream};
+pub use crate::config::{Config, ConfigError, Kind, Preset, ResumeMode, Upstream};
 pub use crate::server::Proxy;

@@ -23,12 +23,13 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
+use tower_llm_retry::continuation::{ResumeBody, ResumeOutcome, ResumeWith};
 use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::retry::{GiveUpReason, NoRetry};
 use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
 use crate::body::ProxyBody;
-use crate::config::{load_keys, Config, ConfigError, Kind, Preset, Secret};
+use crate::config::{load_keys, Config, ConfigError, Kind, Preset, ResumeMode, Secret};
 use crate::envelope::{self, Reject, StreamStyle};
 use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
 use crate::metrics::{reason_name, Metrics};
@@ -441,6 +442,8 @@ impl State {
                 return self.reject(kind, Reject::BadHeader, "the request target is not valid")
             }
         };
+        // Kept for a continuation only when this upstream resumes cut streams.
+        let resume_body = (up.resume != ResumeMode::Off).then(|| body.clone());
         let mut upstream_req = Request::new(Full::new(body));
         *upstream_req.method_mut() = parts.method.clone();
         *upstream_req.uri_mut() = uri;
@@ -491,6 +494,24 @@ impl State {
             .unwrap_or("")
             .to_owned();
         let method = parts.method;
+        let resume = resume_body.and_then(|body| {
+            let with = match up.resume {
+                ResumeMode::Off => return None,
+                ResumeMode::Prefill => ResumeWith::Prefill,
+                ResumeMode::Instruction => ResumeWith::Instruction,
+            };
+            // A client that turned retries off gets the upstream's answer as it is.
+            let text_route = path.ends_with("/chat/completions") || path.ends_with("/messages");
+            if mode == Mode::Off || method != Method::POST || !text_route {
+                return None;
+            }
+            let mut req = Request::new(body);
+            *req.method_mut() = method.clone();
+            *req.uri_mut() = upstream_req.uri().clone();
+            *req.headers_mut() = upstream_req.headers().clone();
+            *req.extensions_mut() = upstream_req.extensions().clone();
+            Some((with, req))
+        });
         match stack.oneshot(upstream_req).await {
             Ok(res) => {
                 let (mut head, body) = res.into_parts();
@@ -533,6 +554,32 @@ impl State {
                     // not the upstream's to state.
                     head.headers.remove(CONTENT_LENGTH);
                 }
+                let body = match resume {
+                    Some((with, req))
+                        if matches!(
+                            style,
+                            Some(StreamStyle::Anthropic | StreamStyle::OpenAiChat)
+                        ) =>
+                    {
+                        let metrics = self.metrics.clone();
+                        let name = up.name.clone();
+                        // The continuation goes through the same stack (its retries and
+                        // fallbacks apply), for the model that served the answer.
+                        let mut resumed = ResumeBody::new(body, factory.stack(), req, with)
+                            .on_outcome(move |outcome| {
+                                let outcome = match outcome {
+                                    ResumeOutcome::Resumed => "resumed",
+                                    _ => "failed",
+                                };
+                                metrics.resume(&name, outcome);
+                            });
+                        if let Some(used) = head.extensions.get::<ModelUsed>() {
+                            resumed = resumed.model(used.model.clone());
+                        }
+                        resumed.boxed_unsync()
+                    }
+                    _ => body,
+                };
                 let metrics = self.metrics.clone();
                 let name = up.name.clone();
                 let on_abort: crate::body::OnAbort =

@@ -8,6 +8,7 @@ mod bad_input;
 mod forwarding;
 mod ops;
 mod replicas;
+mod resume;
 mod retries;
 mod secrets;
 mod streams;
