@@ -504,6 +504,11 @@ impl Splice {
                 if let Some(u) = parsed.get("usage") {
                     overlay(&mut self.cont_usage, u);
                 }
+                // A stop reason ends the answer, `message_stop` or not.
+                let stop = parsed.get("delta").and_then(|d| d.get("stop_reason"));
+                if stop.is_some_and(|s| !s.is_null()) {
+                    self.cont_complete = true;
+                }
                 let mut total = self.usage.clone();
                 add_usage(&mut total, &self.cont_usage);
                 let data = if total.is_object() {

@@ -179,9 +179,20 @@ fn anthropic_cut_between_blocks_starts_the_next_index() {
         + &text_delta(0, " Second.")
         + &block_stop(0)
         + &message_end(3);
-    let (_, out) = splice(&original, &continuation, 5);
+    let (s, out) = splice(&original, &continuation, 5);
+    assert!(s.continuation_complete());
     let (text, _) = anthropic_text(&out);
     assert_eq!(text, "First. Second.");
+    // A continuation whose stop reason comes without `message_stop` is whole too.
+    let end = message_end(3);
+    let delta_only = &end[..end.find("event: message_stop").unwrap()];
+    let continuation = message_start("msg_2")
+        + &block_start(0, "text")
+        + &text_delta(0, " Second.")
+        + &block_stop(0)
+        + delta_only;
+    let (s, _) = splice(&original, &continuation, 4096);
+    assert!(s.continuation_complete());
     let indices: Vec<_> = events(&out)
         .into_iter()
         .filter_map(|(_, d)| d["index"].as_u64())
