@@ -435,3 +435,46 @@ async fn resume_off_by_default_keeps_the_error_event() {
     assert!(end.is_err());
     assert_eq!(h.mock.request_count(), 1);
 }
+
+/// A cut in the middle of an event: the half event never reaches the client, and its text is
+/// not part of the partial text; the continuation supplies it.
+#[tokio::test(start_paused = true)]
+async fn a_cut_mid_event_is_resumed_from_the_last_whole_event() {
+    let mut cut = anthropic_cut();
+    cut.push(SseFrame::raw(Bytes::from_static(
+        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_de",
+    )));
+    let script = Script::new()
+        .then(Reply::sse_then_reset(cut))
+        .then(Reply::sse(anthropic_rest()));
+    let h = start_with(script, resume_all(ResumeMode::Prefill)).await;
+    let (got, end) = stream(&h, "/v1/messages", MESSAGES_STREAM).await;
+    assert!(end.is_ok());
+    // 40 deltas of the cut stream, 20 of the continuation: the half event is not among them.
+    let deltas = String::from_utf8_lossy(&got)
+        .matches("event: content_block_delta\n")
+        .count();
+    assert_eq!(deltas, 60);
+    assert_eq!(anthropic_answer(&got).0, canonical());
+    assert_eq!(h.mock.requests()[1].body, prefill_body(MESSAGES_STREAM));
+}
+
+/// `x-llm-retry: off` asks for the upstream's answer as it is: no continuation.
+#[tokio::test(start_paused = true)]
+async fn a_request_with_retries_off_is_not_resumed() {
+    let script = Script::new()
+        .then(Reply::sse_then_reset(anthropic_cut()))
+        .then(Reply::sse(anthropic_rest()));
+    let h = start_with(script, resume_all(ResumeMode::Prefill)).await;
+    let req = h
+        .post("/v1/messages", MESSAGES_STREAM)
+        .header("x-llm-retry", "off")
+        .body(Full::from(MESSAGES_STREAM))
+        .unwrap();
+    let res = h.send(req).await;
+    let (frames, end) = frames(res).await;
+    let (event, _) = tail_event(&joined(&frames), &concat(&anthropic_cut()));
+    assert_eq!(event.as_deref(), Some("error"));
+    assert!(end.is_err());
+    assert_eq!(h.mock.request_count(), 1);
+}
