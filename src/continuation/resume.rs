@@ -131,7 +131,7 @@ pub(crate) struct Splice {
     blocks: Blocks,
     /// Anthropic: the original's open text block goes on with the continuation's first.
     merged: bool,
-    /// Anthropic: the original's open block is closed (by the continuation's stop, or ours).
+    /// Anthropic: the original's open block, not merged, was closed by the splice.
     closed: bool,
     /// OpenAI: the continuation's first chunk was looked at for a role-only delta.
     role_seen: bool,
@@ -493,12 +493,7 @@ impl Splice {
                 }
                 self.write_mapped(out, &name, &data, index);
             }
-            "content_block_stop" => {
-                if self.merged && self.map(index) == self.open.map(|o| o.index) {
-                    self.closed = true;
-                }
-                self.write_mapped(out, &name, &data, index);
-            }
+            "content_block_stop" => self.write_mapped(out, &name, &data, index),
             "message_delta" => {
                 self.close_open(out);
                 if let Some(u) = parsed.get("usage") {
