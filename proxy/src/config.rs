@@ -799,6 +799,29 @@ mod tests {
     }
 
     #[test]
+    fn resume_is_off_by_default_and_read_per_upstream() {
+        let c = Config::default();
+        assert!(c.upstream.iter().all(|u| u.resume == ResumeMode::Off));
+        let c = Config::from_toml(
+            "[[upstream]]\nname = \"a\"\nresume = \"prefill\"\n\n\
+             [[upstream]]\nname = \"b\"\nkind = \"openai\"\nresume = \"instruction\"\n\n\
+             [[upstream]]\nname = \"c\"\n",
+        )
+        .unwrap();
+        let modes: Vec<_> = c.upstream.iter().map(|u| u.resume).collect();
+        assert_eq!(
+            modes,
+            [
+                ResumeMode::Prefill,
+                ResumeMode::Instruction,
+                ResumeMode::Off
+            ]
+        );
+        let e = Config::from_toml("[[upstream]]\nresume = \"always\"\n").unwrap_err();
+        assert!(e.to_string().contains("unknown variant `always`"), "{e}");
+    }
+
+    #[test]
     fn unknown_keys_are_refused_with_their_name() {
         let e = Config::from_toml("listen = \"127.0.0.1:1\"\nlisten_port = 3\n").unwrap_err();
         assert!(e.to_string().contains("listen_port"), "{e}");
