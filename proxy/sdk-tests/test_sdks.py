@@ -111,6 +111,38 @@ def test_anthropic_clean_cut_after_output_raises():
     return _anthropic_stream_raises("clean_cut_after_output")
 
 
+def test_anthropic_resumed_stream_is_one_whole_message():
+    # The upstream under /anthropic-resume resumes a cut stream with a prefill.
+    mock_id, h = headers("cut_then_rest")
+    client = anthropic.Anthropic(api_key="demo", base_url=f"{PROXY}/anthropic-resume", timeout=30)
+    with client.messages.stream(
+        model="claude-test", max_tokens=64, messages=MSG, extra_headers=h
+    ) as stream:
+        text = "".join(stream.text_stream)
+        message = stream.get_final_message()
+    assert text == "Retried through the proxy.", text
+    assert len(message.content) == 1, message.content
+    assert message.content[0].text == "Retried through the proxy.", message
+    assert message.stop_reason == "end_turn", message
+    # Both streams' usage: 10 + 10 input tokens, 1 + 2 output tokens.
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (20, 3), message.usage
+    assert attempts(mock_id) == 2
+
+
+def test_openai_resumed_stream_is_one_whole_completion():
+    mock_id, h = headers("cut_then_rest")
+    client = openai.OpenAI(api_key="demo", base_url=f"{PROXY}/openai-resume/v1", timeout=30)
+    stream = client.chat.completions.create(
+        model="gpt-test", messages=MSG, stream=True, extra_headers=h
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Retried through the proxy.", text
+    assert {c.id for c in chunks} == {chunks[0].id}, [c.id for c in chunks]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert attempts(mock_id) == 2
+
+
 def test_openai_rate_limited_twice():
     mock_id, h = headers("rate_limited:2")
     chat = gpt().chat.completions.create(model="gpt-test", messages=MSG, extra_headers=h)

@@ -153,6 +153,20 @@ impl Preset {
     }
 }
 
+/// Whether and how a stream cut after output is resumed (see [`Upstream::resume`]).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Not resumed: the client gets the protocol's error event.
+    #[default]
+    Off,
+    /// The partial text as an assistant prefill (Anthropic); an instruction where the API has
+    /// no prefill or answers it with `400`.
+    Prefill,
+    /// The partial text as an assistant turn, then a user turn asking for the rest.
+    Instruction,
+}
+
 /// Where upstream TLS trust comes from.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -262,20 +276,6 @@ pub struct Upstream {
     /// `[upstream.circuit]`: a circuit per target of the fallback chain, shared by every
     /// tenant of the upstream. Defaults to none (no circuits).
     pub circuit: Option<CircuitConfig>,
-}
-
-/// How a stream cut after its first output is resumed (parsed and kept here; the resume
-/// itself reads it through [`Upstream::resume_for`]).
-#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ResumeMode {
-    /// Not resumed: the client gets the protocol's error event.
-    #[default]
-    Off,
-    /// The partial text is sent back as an assistant prefill to continue from.
-    Prefill,
-    /// The partial text is sent back with an instruction to continue from it.
-    Instruction,
 }
 
 /// One entry of an upstream's fallback chain: a model name (`"gpt-4o-mini"`) or a table
@@ -477,6 +477,16 @@ impl Upstream {
     /// Whether the proxy holds this upstream's keys.
     pub fn holds_keys(&self) -> bool {
         self.keys_env.is_some() || self.keys_file.is_some()
+    }
+
+    /// Whether a stream this upstream's stack serves may be resumed: its own `resume`, or a
+    /// target of its chain, is on.
+    pub fn resumes(&self) -> bool {
+        self.resume != ResumeMode::Off
+            || self
+                .fallback
+                .iter()
+                .any(|t| t.resume.is_some_and(|m| m != ResumeMode::Off))
     }
 
     /// The resume mode for a stream that upstream `upstream` served with `model`, in a
@@ -1220,6 +1230,29 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("redis_prefix"), "{e}");
         assert_eq!(Config::default().redis_store().unwrap().map(|_| ()), None);
+    }
+
+    #[test]
+    fn resume_is_off_by_default_and_read_per_upstream() {
+        let c = Config::default();
+        assert!(c.upstream.iter().all(|u| u.resume == ResumeMode::Off));
+        let c = Config::from_toml(
+            "[[upstream]]\nname = \"a\"\nresume = \"prefill\"\n\n\
+             [[upstream]]\nname = \"b\"\nkind = \"openai\"\nresume = \"instruction\"\n\n\
+             [[upstream]]\nname = \"c\"\n",
+        )
+        .unwrap();
+        let modes: Vec<_> = c.upstream.iter().map(|u| u.resume).collect();
+        assert_eq!(
+            modes,
+            [
+                ResumeMode::Prefill,
+                ResumeMode::Instruction,
+                ResumeMode::Off
+            ]
+        );
+        let e = Config::from_toml("[[upstream]]\nresume = \"always\"\n").unwrap_err();
+        assert!(e.to_string().contains("unknown variant `always`"), "{e}");
     }
 
     #[test]

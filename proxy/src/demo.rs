@@ -19,6 +19,7 @@
 //! | `reset_first` | `n = 1`: the connection closed before a response; then success |
 //! | `cut_after_output` | always: a stream with output, then the connection reset |
 //! | `clean_cut_after_output` | always: a stream with output that ends cleanly, without its terminal event |
+//! | `cut_then_rest` | `n = 1`: a stream with output, then the connection reset; then a whole stream of the rest of the answer (for the upstreams that resume) |
 //! | `always_overloaded` | always overloaded |
 //! | `slow_unavailable:MS` | always `503` (a plain server error, no overload), answered after `MS` milliseconds |
 //! | `overloaded_model` | overloaded while the body's model is `claude-primary`; success for any other model |
@@ -31,7 +32,7 @@ use std::time::Duration;
 use serde_json::json;
 use tower_llm_retry::mock::{sse, MockServer, RecordedRequest, Reply, Script, SseFrame};
 
-use crate::config::{Config, Kind, Upstream};
+use crate::config::{Config, Kind, ResumeMode, Upstream};
 
 /// The retries the demo's upstreams allow (short, so a give-up is quick to see).
 pub const DEMO_MAX_RETRIES: u32 = 3;
@@ -86,6 +87,8 @@ pub fn script() -> Script {
             "reset_first" if n == 1 => Reply::reset(),
             "cut_after_output" => Reply::sse_then_reset(partial_events(openai)),
             "clean_cut_after_output" => Reply::sse(partial_events(openai)),
+            "cut_then_rest" if n == 1 => Reply::sse_then_reset(partial_events(openai)),
+            "cut_then_rest" => Reply::sse(rest_events(openai)),
             "always_overloaded" => overloaded(openai),
             "slow_unavailable" => unavailable(openai).delay(Duration::from_millis(k)),
             "overloaded_model" if model(req).as_deref() == Some("claude-primary") => {
@@ -167,6 +170,16 @@ fn partial_events(openai: bool) -> Vec<SseFrame> {
     events
 }
 
+/// The rest of the answer after [`partial_events`], as a whole stream of its own.
+fn rest_events(openai: bool) -> Vec<SseFrame> {
+    let words = ["the ", "proxy."];
+    if openai {
+        sse::openai_chat(&words)
+    } else {
+        sse::anthropic_message(&words)
+    }
+}
+
 fn success(req: &RecordedRequest, openai: bool) -> Reply {
     if streaming(req) {
         Reply::sse(success_events(openai))
@@ -181,7 +194,9 @@ pub async fn start_mock() -> std::io::Result<MockServer> {
 }
 
 /// The demo's configuration: both upstreams at the mock, 3 retries from 100 ms, and the
-/// fallback chain `claude-primary` → `claude-fallback` on the Anthropic one.
+/// fallback chain `claude-primary` → `claude-fallback` on the Anthropic one; and the same two
+/// again, resuming cut streams, under `/anthropic-resume` (`resume = "prefill"`) and
+/// `/openai-resume` (`resume = "instruction"`).
 pub fn config(mock: &MockServer, mut base: Config) -> Config {
     let url = mock.url("");
     let url = url.trim_end_matches('/');
@@ -192,6 +207,12 @@ pub fn config(mock: &MockServer, mut base: Config) -> Config {
     let mut openai = Upstream::new("openai", Kind::OpenAi, url);
     openai.initial_backoff_ms = Some(100);
     openai.max_retries = Some(DEMO_MAX_RETRIES);
-    base.upstream = vec![anthropic, openai];
+    let mut anthropic_resume = anthropic.clone();
+    anthropic_resume.name = "anthropic-resume".into();
+    anthropic_resume.resume = ResumeMode::Prefill;
+    let mut openai_resume = openai.clone();
+    openai_resume.name = "openai-resume".into();
+    openai_resume.resume = ResumeMode::Instruction;
+    base.upstream = vec![anthropic, openai, anthropic_resume, openai_resume];
     base
 }

@@ -62,6 +62,12 @@ struct TargetLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResumeOutcome {
+    upstream: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Rejected {
     reason: String,
 }
@@ -85,6 +91,7 @@ pub struct Metrics {
     budget_refusals: Family<Up, Counter>,
     client_retries: Family<Up, Counter>,
     stream_aborts: Family<Reason, Counter>,
+    resumes: Family<ResumeOutcome, Counter>,
     rejected: Family<Rejected, Counter>,
     upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
     overhead: Histogram,
@@ -123,6 +130,7 @@ impl Metrics {
             budget_refusals: Family::default(),
             client_retries: Family::default(),
             stream_aborts: Family::default(),
+            resumes: Family::default(),
             rejected: Family::default(),
             upstream_latency: Family::new_with_constructor(latency),
             overhead: latency(),
@@ -172,6 +180,11 @@ impl Metrics {
             "stream_aborts",
             "Responses cut after their head, by error kind",
             m.stream_aborts.clone(),
+        );
+        r.register(
+            "resumes",
+            "Continuations sent for streams cut after output, by outcome (resumed, failed)",
+            m.resumes.clone(),
         );
         r.register(
             "rejected",
@@ -319,6 +332,15 @@ impl Metrics {
             .get_or_create(&Reason {
                 upstream: upstream.into(),
                 reason: kind.into(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn resume(&self, upstream: &str, outcome: &str) {
+        self.resumes
+            .get_or_create(&ResumeOutcome {
+                upstream: upstream.into(),
+                outcome: outcome.into(),
             })
             .inc();
     }

@@ -24,12 +24,13 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
+use tower_llm_retry::continuation::{ResumeBody, ResumeOutcome, ResumeWith};
 use tower_llm_retry::fallback::ModelUsed;
 use tower_llm_retry::retry::{GiveUpReason, NoRetry, Override};
 use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
 use crate::body::{Ended, ProxyBody};
-use crate::config::{Config, ConfigError, Kind, Preset, Secret};
+use crate::config::{Config, ConfigError, Kind, Preset, ResumeMode, Secret};
 use crate::deadline;
 use crate::envelope::{self, Reject, StreamStyle};
 use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
@@ -488,6 +489,8 @@ impl State {
                 return self.reject(kind, Reject::BadHeader, "the request target is not valid")
             }
         };
+        // Kept for a continuation only when this upstream resumes cut streams.
+        let resume_body = up.resumes().then(|| body.clone());
         let mut upstream_req = Request::new(Full::new(body));
         *upstream_req.method_mut() = parts.method;
         *upstream_req.uri_mut() = uri;
@@ -542,6 +545,19 @@ impl State {
         }
         let stack = factory.stack();
         let (path, method, start) = (&gone.path, &gone.method, gone.start);
+        let resume = resume_body.and_then(|body| {
+            // A client that turned retries off gets the upstream's answer as it is.
+            let text_route = path.ends_with("/chat/completions") || path.ends_with("/messages");
+            if mode == Mode::Off || method != Method::POST || !text_route {
+                return None;
+            }
+            let mut req = Request::new(body);
+            *req.method_mut() = method.clone();
+            *req.uri_mut() = upstream_req.uri().clone();
+            *req.headers_mut() = upstream_req.headers().clone();
+            *req.extensions_mut() = upstream_req.extensions().clone();
+            Some(req)
+        });
         match stack.oneshot(upstream_req).await {
             Ok(res) => {
                 let (mut head, body) = res.into_parts();
@@ -597,6 +613,44 @@ impl State {
                     // not the upstream's to state.
                     head.headers.remove(CONTENT_LENGTH);
                 }
+                // The mode of the target that served: its own `resume`, else its upstream's.
+                let with = resume.and_then(|req| {
+                    let served = head.headers.get(UPSTREAM).and_then(|v| v.to_str().ok());
+                    let model = head.extensions.get::<ModelUsed>().map(|u| u.model.as_str());
+                    let with = match up.resume_for(served.unwrap_or(&up.name), model.unwrap_or(""))
+                    {
+                        ResumeMode::Off => return None,
+                        ResumeMode::Prefill => ResumeWith::Prefill,
+                        ResumeMode::Instruction => ResumeWith::Instruction,
+                    };
+                    Some((with, req))
+                });
+                let body = match with {
+                    Some((with, req))
+                        if matches!(
+                            style,
+                            Some(StreamStyle::Anthropic | StreamStyle::OpenAiChat)
+                        ) =>
+                    {
+                        let metrics = self.metrics.clone();
+                        let name = up.name.clone();
+                        // The continuation goes through the same stack (its retries and
+                        // fallbacks apply), for the model that served the answer.
+                        let mut resumed = ResumeBody::new(body, factory.stack(), req, with)
+                            .on_outcome(move |outcome| {
+                                let outcome = match outcome {
+                                    ResumeOutcome::Resumed => "resumed",
+                                    _ => "failed",
+                                };
+                                metrics.resume(&name, outcome);
+                            });
+                        if let Some(used) = head.extensions.get::<ModelUsed>() {
+                            resumed = resumed.model(used.model.clone());
+                        }
+                        resumed.boxed_unsync()
+                    }
+                    _ => body,
+                };
                 let metrics = self.metrics.clone();
                 let name = up.name.clone();
                 let on_abort: crate::body::OnAbort =

@@ -88,6 +88,67 @@
 //! assert!(next.starts_with(br#"{"model":"claude-sonnet-4-5","stream":true,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can"},"#));
 //! ```
 //!
+//! # Resuming a cut stream
+//!
+//! A streamed text answer can also be cut by the network: a reset, a stall past the idle
+//! timeout, a clean end before the protocol's terminal event. After the commit point the
+//! request is never sent again, but [`ResumeBody`] can continue it append-only. Wrap the
+//! answer's body, give it the service to send the follow-up through (the same stack, so its
+//! retries and fallbacks apply) and the original request; it forwards the answer's events
+//! whole and, on a cut, sends a follow-up that carries the exact partial text:
+//!
+//! ```text
+//! answer:    message_start ─ content_block_start(0) ─ "Hel" ─ "lo, w"  ✗ reset
+//! follow-up: {…, "messages":[ …, {"role":"assistant","content":"Hello, w"}]}      (ResumeWith::Prefill)
+//!        or: {…, "messages":[ …, {"role":"assistant","content":"Hello, w"},
+//!                                {"role":"user","content":RESUME_PROMPT}]}          (ResumeWith::Instruction)
+//! its stream: message_start ─ content_block_start(0) ─ "orld" ─ "!" ─ … ─ message_delta ─ message_stop
+//! caller:    message_start ─ content_block_start(0) ─ "Hel" ─ "lo, w" ─ "orld" ─ "!" ─ … ─ message_delta ─ message_stop
+//! ```
+//!
+//! What the caller can rely on:
+//!
+//! - Exact text: the caller's text is the partial text followed by the continuation's, each
+//!   byte once. An event the answer had not finished when it was cut is never forwarded, and
+//!   its text is not part of the partial text either.
+//! - One message: the continuation's preamble is dropped (Anthropic `message_start`, `ping`,
+//!   and its first `content_block_start` when the cut block goes on; OpenAI's role-only first
+//!   chunk), its block indices follow the answer's, OpenAI chunk `id`s are the answer's, and
+//!   the final usage (Anthropic `message_delta.usage`, OpenAI's `usage` chunk) is the sum of
+//!   what both streams reported. The stop reason is the continuation's.
+//! - Not the same tail: the model writes the rest anew, so it may phrase it differently from
+//!   what the cut stream would have sent.
+//! - Text only: a stream with a tool call, a `tool_use`/`server_tool_use` block, thinking, a
+//!   refusal or more than one choice is never resumed, nor one that reached its end.
+//! - Prefill (Anthropic only; for OpenAI Chat Completions it is an instruction): the partial
+//!   text less trailing whitespace (which Anthropic refuses in a final assistant turn); that
+//!   whitespace is dropped from the continuation's start where it repeats it. A prefill
+//!   answered with `400` is sent again, once, as an instruction.
+//! - Failure: when the follow-up fails (an error, any other status, an error event, a stream
+//!   that ends early) the body ends with the answer's own error, never with a truncated
+//!   success and never with the follow-up's status. A continuation cut after its own output
+//!   ends with its error. One continuation per answer.
+//!
+//! ```
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use tower::service_fn;
+//! use tower_llm_retry::continuation::{ResumeBody, ResumeWith};
+//!
+//! # fn demo(answer: Full<Bytes>) {
+//! let request = Request::post("https://api.anthropic.com/v1/messages").body(Bytes::from_static(
+//!     br#"{"model":"claude-sonnet-4-5","stream":true,"messages":[{"role":"user","content":"Hi"}]}"#,
+//! )).unwrap();
+//! // The same client stack the answer came through.
+//! let stack = service_fn(|_req: Request<Full<Bytes>>| async {
+//!     Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+//! });
+//! let body = ResumeBody::new(answer, stack, request, ResumeWith::Prefill)
+//!     .on_outcome(|outcome| println!("{outcome:?}"));
+//! # drop(body); }
+//! ```
+//!
 //! # Where it goes
 //!
 //! Outside [`RetryLayer`](crate::RetryLayer): each follow-up is then a request of its own,
@@ -99,11 +160,14 @@
 mod body;
 mod future;
 pub(crate) mod layer;
+mod resume;
+mod resume_body;
 mod service;
 mod stitch;
 
 pub use self::body::ContinuationBody;
 pub use self::future::ResponseFuture;
+pub use self::resume_body::ResumeBody;
 pub use self::service::Continuation;
 // The layer is public at the crate root only; imported here for the docs.
 #[cfg(doc)]
@@ -114,6 +178,33 @@ use bytes::Bytes;
 /// The user turn that asks for the rest of the answer, unless
 /// [`ContinuationLayer::prompt`] says otherwise.
 pub const DEFAULT_PROMPT: &str = "Your previous answer was cut off at the output limit. Continue exactly where it stopped, from the next character, without repeating anything and without any preamble.";
+
+/// The user turn of a [`ResumeWith::Instruction`] follow-up, unless
+/// [`ResumeBody::prompt`] says otherwise.
+pub const RESUME_PROMPT: &str = "Your previous answer was cut off mid-stream. Continue exactly where it stopped, from the next character, without repeating anything and without any preamble.";
+
+/// How a [`ResumeBody`] sends the partial text back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResumeWith {
+    /// As the last message, an assistant turn the model goes on from (Anthropic Messages; an
+    /// instruction for OpenAI Chat Completions, which has no prefill). A `400` answer to it
+    /// is retried once as an instruction.
+    Prefill,
+    /// As an assistant turn followed by a user turn asking for the rest, from the next
+    /// character ([`RESUME_PROMPT`]).
+    Instruction,
+}
+
+/// What became of a continuation a [`ResumeBody`] sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResumeOutcome {
+    /// The continuation reached its terminal event: the caller has the whole answer.
+    Resumed,
+    /// The continuation failed: the caller's stream ended with an error.
+    Failed,
+}
 
 /// Response extension: this response was stitched from more than one answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -128,33 +128,55 @@ pub(crate) fn append_turns(original: &[u8], partial: &str, prompt: &str) -> Opti
     if partial.is_empty() || prompt.is_empty() {
         return None;
     }
+    append(
+        original,
+        &[
+            Turn {
+                role: "assistant",
+                content: partial,
+            },
+            Turn {
+                role: "user",
+                content: prompt,
+            },
+        ],
+    )
+}
+
+/// `original` with one assistant turn appended to its `messages` array (a prefill), every
+/// other byte kept.
+pub(crate) fn append_prefill(original: &[u8], partial: &str) -> Option<Bytes> {
+    if partial.is_empty() {
+        return None;
+    }
+    append(
+        original,
+        &[Turn {
+            role: "assistant",
+            content: partial,
+        }],
+    )
+}
+
+fn append(original: &[u8], turns: &[Turn<'_>]) -> Option<Bytes> {
     let span = json_edit::value_span(original, "messages")?;
     let raw = &original[span.clone()];
     if raw.first() != Some(&b'[') || raw.last() != Some(&b']') {
         return None;
     }
     let close = span.end - 1;
-    let empty = original[span.start + 1..close]
+    let mut empty = original[span.start + 1..close]
         .iter()
         .all(u8::is_ascii_whitespace);
-    let assistant = serde_json::to_vec(&Turn {
-        role: "assistant",
-        content: partial,
-    })
-    .ok()?;
-    let user = serde_json::to_vec(&Turn {
-        role: "user",
-        content: prompt,
-    })
-    .ok()?;
-    let mut out = Vec::with_capacity(original.len() + assistant.len() + user.len() + 2);
+    let mut out = Vec::with_capacity(original.len() + 64);
     out.extend_from_slice(&original[..close]);
-    if !empty {
-        out.push(b',');
+    for turn in turns {
+        if !empty {
+            out.push(b',');
+        }
+        empty = false;
+        out.extend_from_slice(&serde_json::to_vec(turn).ok()?);
     }
-    out.extend_from_slice(&assistant);
-    out.push(b',');
-    out.extend_from_slice(&user);
     out.extend_from_slice(&original[close..]);
     Some(Bytes::from(out))
 }
@@ -240,7 +262,7 @@ fn stitch_openai(rounds: &[Bytes]) -> Option<Bytes> {
 
 /// Adds `next` into `acc`: numbers summed, objects merged key by key, anything else (a
 /// `service_tier` string, say) taken from `next`.
-fn add_usage(acc: &mut Value, next: &Value) {
+pub(crate) fn add_usage(acc: &mut Value, next: &Value) {
     match (acc, next) {
         (Value::Object(a), Value::Object(n)) => add_objects(a, n),
         (slot, Value::Number(n)) => {

@@ -100,6 +100,8 @@
 mod sse;
 mod terminal;
 
+#[cfg(feature = "continuation")]
+pub(crate) use self::sse::parse_block;
 #[cfg(not(fuzzing))]
 pub(crate) use self::sse::ScanError;
 pub use self::sse::SseEvent;

@@ -203,7 +203,7 @@ impl SseScanner {
     }
 }
 
-fn parse_block(block: &[u8]) -> SseEvent<'_> {
+pub(crate) fn parse_block(block: &[u8]) -> SseEvent<'_> {
     let mut event = None;
     // The data lines, joined once at the end: one line is borrowed, more are copied once.
     let mut first_data = None;

@@ -364,3 +364,76 @@ async fn a_follow_up_that_fails_in_transport_is_retried_as_its_own_request() {
     let (_, v, _) = json_body(res).await;
     assert_eq!(v["content"][0]["text"], "The red fox runs.");
 }
+
+const STREAM: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"Hi"}]}"#;
+
+/// `ResumeBody` over a `RetryLayer` stack: a stream reset after output is continued through
+/// the same stack with a prefill of the exact text, and read as one message.
+#[tokio::test(start_paused = true)]
+async fn a_stream_cut_after_output_is_resumed_through_the_stack() {
+    use std::sync::{Arc, Mutex};
+
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+    use tower_llm_retry::continuation::{ResumeBody, ResumeOutcome, ResumeWith};
+    use tower_llm_retry::mock::sse;
+
+    let mut cut = sse::anthropic_message(&["Hello", ", wor"]);
+    cut.truncate(4);
+    let script = Script::new()
+        .then(Reply::sse_then_reset(cut.clone()))
+        .then(Reply::sse(sse::anthropic_message(&["ld", "!"])));
+    let server = MockServer::start(script).await.unwrap();
+    let stack = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let res = stack
+        .clone()
+        .oneshot(anthropic_request(&url, STREAM))
+        .await
+        .unwrap();
+    let original = http::Request::post(&url)
+        .header("content-type", "application/json")
+        .header("anthropic-version", "2023-06-01")
+        .body(Bytes::from_static(STREAM.as_bytes()))
+        .unwrap();
+    let outcome = Arc::new(Mutex::new(None));
+    let seen = outcome.clone();
+    let body = ResumeBody::new(res.into_body(), stack, original, ResumeWith::Prefill)
+        .on_outcome(move |o| *seen.lock().unwrap() = Some(o));
+    let got = body.collect().await.unwrap().to_bytes();
+    assert!(got.starts_with(&concat(&cut)));
+    let text = std::str::from_utf8(&got).unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let answer: String = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_delta")
+        .map(|e| {
+            assert_eq!(e["index"], 0);
+            e["delta"]["text"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(answer, "Hello, world!");
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds.iter().filter(|k| **k == "message_start").count(), 1);
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == "content_block_start")
+            .count(),
+        1
+    );
+    assert_eq!(kinds[kinds.len() - 2..], ["message_delta", "message_stop"]);
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(
+        &requests[1].body[..],
+        br#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello, wor"}]}"#
+    );
+    assert_eq!(*outcome.lock().unwrap(), Some(ResumeOutcome::Resumed));
+}

@@ -36,27 +36,9 @@
 //! | S15 | primary: overloaded for the first 60 s; 20 requests, one every 4 s, 30 s each | every request of the outage served by the fallback; the primary serves again within 30 s of its recovery; ≤ 1 primary attempt a request during the outage |
 //! | S16 | primary: overloaded on every attempt; the fallback answers | the response's `model` and `x-llm-retry-model` name the fallback, usage present, `x-llm-retry-upstream` is `fallback` |
 //!
-//! As run before the failover parts of the proxy are merged (each ignored test names what it
-//! waits for in its `#[ignore]`):
-//!
-//! | fault | OpenAI | Anthropic |
-//! |---|---|---|
-//! | S01 | pass | pass |
-//! | S02 | ignored: needs `fallback_on_unwaitable_rate_limit` and a fallback target on another upstream | the same |
-//! | S03 | pass | pass |
-//! | S04 | ignored: needs OpenAI's `503` overloaded as an overload and a fallback target on another upstream | ignored: needs a fallback target on another upstream |
-//! | S05 | pass | pass |
-//! | S06 | ignored: needs `fallback_after_timeouts` and a fallback target on another upstream | the same |
-//! | S07 | ignored: needs `first_output_timeout_secs` and a fallback target on another upstream | the same |
-//! | S08 | ignored: needs `resume` | the same |
-//! | S09 | ignored: needs `resume` | the same |
-//! | S10 | pass | pass |
-//! | S11 | pass | ignored: needs Anthropic completeness by content |
-//! | S12 | ignored: needs `context_window_fallback` | the same |
-//! | S13 | pass | pass |
-//! | S14 | ignored: needs `resume` (a prefill, then an instruction after its `400`) on a fallback target on another upstream | the same |
-//! | S15 | ignored: needs OpenAI's `503` overloaded as an overload, a fallback target on another upstream and `[upstream.circuit]` | ignored: needs a fallback target on another upstream and `[upstream.circuit]` |
-//! | S16 | ignored: needs OpenAI's `503` overloaded as an overload, a fallback target on another upstream and `x-llm-retry-upstream` | ignored: needs a fallback target on another upstream and `x-llm-retry-upstream` |
+//! Every one of the 32 passes. Before the proxy had failover in its config, resume, the
+//! first-output timeout and Anthropic completeness by content, 11 of them did: S01, S03, S05,
+//! S10 and S13 in both dialects, and S11 in OpenAI's.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -163,28 +145,17 @@ fn openai_error(status: u16, kind: &str, code: &str, message: &str) -> Reply {
 ///
 /// The first-output timeout is 10 s, not 15: a move to the fallback sleeps a backoff
 /// (up to 0.5 s), so a 15 s limit could not end S07 within the benchmark's 15 s.
-///
-/// A build whose `Config` does not know the failover keys refuses them; the same TOML
-/// without them is then used, so the faults the proxy passes without failover run there
-/// too. [`the_fault_config_is_the_agreed_shape`] holds the whole shape to parse and
-/// validate: once the failover keys are in, this fallback is dead and can go.
 fn fault_config(primary: &MockServer, fallback: &MockServer, dialect: Dialect) -> Config {
     let (primary, fallback) = (base_url(primary), base_url(fallback));
-    let config = Config::from_toml(&fault_toml(&primary, &fallback, dialect, true))
-        .or_else(|e| {
-            // Shown with a failing test: the reason it ran without failover.
-            eprintln!("this build refuses the failover keys ({e}): running without them");
-            Config::from_toml(&fault_toml(&primary, &fallback, dialect, false))
-        })
-        .unwrap();
+    let config = Config::from_toml(&fault_toml(&primary, &fallback, dialect)).unwrap();
     config.validate().unwrap();
     config
 }
 
-/// The TOML of [`fault_config`]; `failover` says whether the keys of the failover shape are in.
-fn fault_toml(primary: &str, fallback: &str, dialect: Dialect, failover: bool) -> String {
+/// The TOML of [`fault_config`].
+fn fault_toml(primary: &str, fallback: &str, dialect: Dialect) -> String {
     let kind = dialect.kind();
-    let mut toml = format!(
+    format!(
         r#"listen = "127.0.0.1:0"
 
 [[upstream]]
@@ -194,15 +165,11 @@ url = "{primary}"
 policy = "sdk_compatible"
 head_timeout_secs = 30
 idle_timeout_secs = 30
-fallback_threshold = 1
-"#
-    );
-    if failover {
-        toml.push_str(&format!(
-            r#"first_output_timeout_secs = 10
+first_output_timeout_secs = 10
 context_window_fallback = "{LARGER_MODEL}"
 resume = "prefill"
 fallback = ["{PRIMARY_MODEL}", {{ model = "{FALLBACK_MODEL}", upstream = "fallback", resume = "prefill" }}]
+fallback_threshold = 1
 fallback_after_failures = 2
 fallback_after_timeouts = 1
 fallback_on_unwaitable_rate_limit = true
@@ -212,11 +179,7 @@ failures = 2
 window_secs = 30
 cooldown_secs = 10
 max_cooldown_secs = 20
-"#
-        ));
-    }
-    toml.push_str(&format!(
-        r#"
+
 [[upstream]]
 name = "fallback"
 kind = "{kind}"
@@ -225,14 +188,13 @@ policy = "sdk_compatible"
 head_timeout_secs = 30
 idle_timeout_secs = 30
 "#
-    ));
-    toml
+    )
 }
 
 #[test]
 fn the_fault_config_is_the_agreed_shape() {
     for dialect in [Dialect::OpenAi, Dialect::Anthropic] {
-        let toml = fault_toml("http://127.0.0.1:1", "http://127.0.0.1:2", dialect, true);
+        let toml = fault_toml("http://127.0.0.1:1", "http://127.0.0.1:2", dialect);
         let config = Config::from_toml(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
         config.validate().unwrap();
         assert_eq!(config.upstream.len(), 2);
@@ -1624,25 +1586,21 @@ async fn s07_slow_first_token_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume"]
 async fn s08_stream_cut_mid_answer_openai() {
     s08(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume"]
 async fn s08_stream_cut_mid_answer_anthropic() {
     s08(Dialect::Anthropic).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume"]
 async fn s09_stream_stalls_then_closes_openai() {
     s09(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume"]
 async fn s09_stream_stalls_then_closes_anthropic() {
     s09(Dialect::Anthropic).await;
 }
@@ -1688,13 +1646,11 @@ async fn s13_content_policy_rejection_anthropic() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume (a prefill, then an instruction after its 400) on a fallback target on another upstream"]
 async fn s14_fallback_rejects_prefill_openai() {
     s14(Dialect::OpenAi).await;
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "needs resume (a prefill, then an instruction after its 400) on a fallback target on another upstream"]
 async fn s14_fallback_rejects_prefill_anthropic() {
     s14(Dialect::Anthropic).await;
 }

@@ -11,6 +11,7 @@ mod failover_faults;
 mod forwarding;
 mod ops;
 mod replicas;
+mod resume;
 mod retries;
 mod secrets;
 mod streams;
