@@ -109,6 +109,12 @@ async fn each_trigger_class_moves_to_the_next_target_after_its_threshold() {
             Reply::rate_limited("3600"),
             vec![ms(0), ms(500)],
         ),
+        (
+            "a 429 with no Retry-After",
+            chain().on_unwaitable_rate_limit(true),
+            Reply::status(429),
+            vec![ms(0), ms(500)],
+        ),
     ];
     for (name, layer, reply, times) in cases {
         let server = MockServer::start(by_model(move |_| reply.clone()))
@@ -212,6 +218,24 @@ async fn a_waitable_rate_limit_is_waited_for_on_the_primary() {
     assert_eq!(
         seen(&server, start),
         [(PRIMARY.to_owned(), ms(0)), (PRIMARY.to_owned(), ms(3_000))]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_past_the_deadline_has_nowhere_to_wait() {
+    // 30 s is under the policy's ceiling, but past the 10 s deadline: waiting cannot help.
+    let server = MockServer::start(by_model(|_| Reply::rate_limited("30")))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let policy = policy().deadline(Some(Duration::from_secs(10)));
+    let res = send(&server, policy, chain().on_unwaitable_rate_limit(true))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(
+        seen(&server, start),
+        [(PRIMARY.to_owned(), ms(0)), (FALLBACK.to_owned(), ms(500))]
     );
 }
 
