@@ -15,6 +15,7 @@ use http_body_util::{BodyExt, Full};
 use tokio::sync::OwnedSemaphorePermit;
 use tower_llm_retry::BoxError;
 
+use crate::budget::Reservation;
 use crate::envelope::StreamStyle;
 
 /// How long the error frame is given to leave before the connection is aborted. hyper drops
@@ -47,6 +48,9 @@ pub struct ProxyBody {
     // Held until the body is dropped: a stream counts against the concurrency cap while it
     // runs.
     _permit: Option<OwnedSemaphorePermit>,
+    // The request body's share of the body budget, held as long as the permit: the retry
+    // loop, and a continuation, keep the request body until the response body is dropped.
+    _reservation: Option<Reservation>,
 }
 
 enum State {
@@ -94,7 +98,14 @@ impl ProxyBody {
             on_abort: None,
             on_end: None,
             _permit: permit,
+            _reservation: None,
         }
+    }
+
+    /// Holds the request body's share of the body budget until this body is dropped.
+    pub(crate) fn holding(mut self, reservation: Reservation) -> Self {
+        self._reservation = Some(reservation);
+        self
     }
 
     /// Calls `f` once, when the body ends or is dropped, with how it ended.

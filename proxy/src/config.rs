@@ -27,9 +27,21 @@ pub struct Config {
     /// The largest request body accepted, in bytes; a larger one is refused with `413` before
     /// anything is sent. Defaults to 32 MiB (Anthropic's own request limit).
     pub max_body_bytes: usize,
-    /// Requests handled at once; one more is refused at once with `503` and `Retry-After: 1`
-    /// (never queued). Defaults to 512.
+    /// Requests handled at once, from the end of their body to the end of their response; one
+    /// more is refused at once with `503` and `Retry-After: 1` (never queued). A request whose
+    /// body is still arriving holds no slot (`body_timeout_secs` and
+    /// `max_buffered_body_bytes` bound it instead). Defaults to 512.
     pub max_concurrent_requests: usize,
+    /// How long a request body may take to arrive whole, from the request's head; a body not
+    /// complete by then is refused with `408` (`body_timeout`), nothing sent upstream. Apart
+    /// from it, a body may go at most 30 s without a byte. Defaults to 60 s.
+    pub body_timeout_secs: u64,
+    /// The request-body bytes the proxy holds at once, over every request being read or
+    /// served (a body is held until its response ends: the retry loop may send it again). A
+    /// request whose declared `content-length` is over what is left, or a body that grows past
+    /// it while read, is refused with `503` and `Retry-After: 1`, nothing sent upstream.
+    /// Must be at least `max_body_bytes`. Defaults to 8 × `max_body_bytes` (256 MiB).
+    pub max_buffered_body_bytes: Option<usize>,
     /// How long a shutdown waits for in-flight requests and streams before it cuts them.
     /// Defaults to 30 s.
     pub drain_timeout_secs: u64,
@@ -65,6 +77,8 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
             max_body_bytes: 32 * 1024 * 1024,
             max_concurrent_requests: 512,
+            body_timeout_secs: 60,
+            max_buffered_body_bytes: None,
             drain_timeout_secs: 30,
             max_tenants: 1024,
             log_format: LogFormat::Text,
@@ -897,6 +911,13 @@ impl Config {
                     self.max_concurrent_requests =
                         value.parse().map_err(|_| bad("expected a number"))?
                 }
+                "BODY_TIMEOUT_SECS" => {
+                    self.body_timeout_secs = value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "MAX_BUFFERED_BODY_BYTES" => {
+                    self.max_buffered_body_bytes =
+                        Some(value.parse().map_err(|_| bad("expected a number"))?)
+                }
                 "DRAIN_TIMEOUT_SECS" => {
                     self.drain_timeout_secs = value.parse().map_err(|_| bad("expected a number"))?
                 }
@@ -986,6 +1007,20 @@ impl Config {
         }
         if self.max_tenants == 0 {
             return Err(ConfigError::new("max_tenants must be at least 1"));
+        }
+        if self.body_timeout_secs == 0 {
+            return Err(ConfigError::new(
+                "body_timeout_secs = 0 would refuse every request body: use at least 1",
+            ));
+        }
+        if let Some(n) = self.max_buffered_body_bytes {
+            if n < self.max_body_bytes {
+                return Err(ConfigError::new(format!(
+                    "max_buffered_body_bytes ({n}) is under max_body_bytes ({}): a body the \
+                     cap accepts could never be held; raise it or leave it out",
+                    self.max_body_bytes
+                )));
+            }
         }
         if self
             .client_token
@@ -1130,6 +1165,18 @@ impl Config {
     /// The resolved configuration as TOML, with every secret shown as `"***"`.
     pub fn masked(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
+    }
+
+    /// How long a request body may take to arrive whole.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_secs(self.body_timeout_secs)
+    }
+
+    /// The request-body bytes held at once: `max_buffered_body_bytes`, else 8 ×
+    /// `max_body_bytes`.
+    pub fn buffered_body_budget(&self) -> usize {
+        self.max_buffered_body_bytes
+            .unwrap_or_else(|| self.max_body_bytes.saturating_mul(8))
     }
 
     /// The drain deadline.
@@ -1384,6 +1431,36 @@ mod tests {
         .unwrap();
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("A_B"), "{e}");
+    }
+
+    #[test]
+    fn body_limits_default_validate_and_take_env_overrides() {
+        let c = Config::default();
+        assert_eq!(c.body_timeout(), Duration::from_secs(60));
+        assert_eq!(c.buffered_body_budget(), 256 * 1024 * 1024);
+        let c = Config::from_toml("max_body_bytes = 1000\n").unwrap();
+        assert_eq!(c.buffered_body_budget(), 8000);
+        let c = Config::from_toml(
+            "max_body_bytes = 1000\nmax_buffered_body_bytes = 999\n[[upstream]]\nname = \"a\"\n",
+        )
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_buffered_body_bytes (999)"), "{e}");
+        let c = Config::from_toml("body_timeout_secs = 0\n[[upstream]]\nname = \"a\"\n").unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("body_timeout_secs = 0"), "{e}");
+        let mut c = Config::default();
+        c.apply_env([
+            ("LLM_RETRY_PROXY_BODY_TIMEOUT_SECS".into(), "5".into()),
+            (
+                "LLM_RETRY_PROXY_MAX_BUFFERED_BODY_BYTES".into(),
+                "33554432".into(),
+            ),
+        ])
+        .unwrap();
+        assert_eq!(c.body_timeout(), Duration::from_secs(5));
+        assert_eq!(c.buffered_body_budget(), 32 * 1024 * 1024);
+        c.validate().unwrap();
     }
 
     #[test]

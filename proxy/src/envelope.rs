@@ -26,6 +26,8 @@ pub enum Reject {
     Unauthorized,
     /// Too many requests in flight.
     Busy,
+    /// The request bodies held already leave no room for this one's.
+    BodyMemory,
     /// The upstream could not be reached or failed on every attempt.
     Upstream,
     /// The retry budget refused a retry.
@@ -45,7 +47,7 @@ impl Reject {
             Reject::BodyRead | Reject::BadHeader => StatusCode::BAD_REQUEST,
             Reject::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Reject::Unauthorized => StatusCode::UNAUTHORIZED,
-            Reject::Busy | Reject::Budget => StatusCode::SERVICE_UNAVAILABLE,
+            Reject::Busy | Reject::BodyMemory | Reject::Budget => StatusCode::SERVICE_UNAVAILABLE,
             Reject::Upstream | Reject::Credential => StatusCode::BAD_GATEWAY,
             Reject::Deadline => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -61,6 +63,7 @@ impl Reject {
             Reject::BadHeader => "bad_header",
             Reject::Unauthorized => "unauthorized",
             Reject::Busy => "busy",
+            Reject::BodyMemory => "body_memory",
             Reject::Upstream => "upstream",
             Reject::Budget => "budget",
             Reject::Deadline => "deadline",
@@ -77,7 +80,7 @@ impl Reject {
                 _,
             ) => "invalid_request_error",
             (Reject::Unauthorized, _) => "authentication_error",
-            (Reject::Busy, Kind::Anthropic) => "overloaded_error",
+            (Reject::Busy | Reject::BodyMemory, Kind::Anthropic) => "overloaded_error",
             (_, Kind::Anthropic) => "api_error",
             (_, Kind::OpenAi) => "server_error",
         }
@@ -87,7 +90,7 @@ impl Reject {
     /// cannot fix or the proxy already retried.
     fn should_retry(self) -> Option<bool> {
         match self {
-            Reject::Busy => Some(true),
+            Reject::Busy | Reject::BodyMemory => Some(true),
             // The client's own upload stalled: sending it again may well go through.
             Reject::BodyTimeout => Some(true),
             // Whether the proxy retried is the caller's to say (see `server`).
@@ -124,7 +127,7 @@ pub fn response(kind: Kind, reject: Reject, message: &str) -> Response<ProxyBody
         "x-llm-retry-error",
         HeaderValue::from_static(reject.as_str()),
     );
-    if reject == Reject::Busy {
+    if matches!(reject, Reject::Busy | Reject::BodyMemory) {
         h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
     }
     if let Some(yes) = reject.should_retry() {

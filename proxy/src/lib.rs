@@ -24,6 +24,7 @@
 #![warn(unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 
 pub mod body;
+mod budget;
 pub mod config;
 pub mod deadline;
 pub mod demo;

@@ -96,6 +96,7 @@ pub struct Metrics {
     upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
     overhead: Histogram,
     in_flight: Gauge,
+    buffered_body_bytes: Gauge,
     circuit_state: Family<TargetLabel, Gauge>,
     /// The upstreams' fleets, whose own counters some metrics read when rendered.
     fleets: Mutex<Vec<(Up, Fleet)>>,
@@ -135,6 +136,7 @@ impl Metrics {
             upstream_latency: Family::new_with_constructor(latency),
             overhead: latency(),
             in_flight: Gauge::default(),
+            buffered_body_bytes: Gauge::default(),
             circuit_state: Family::default(),
             fleets: Mutex::new(Vec::new()),
             circuits: Mutex::new(Vec::new()),
@@ -202,6 +204,11 @@ impl Metrics {
             m.overhead.clone(),
         );
         r.register("in_flight", "Requests being handled", m.in_flight.clone());
+        r.register(
+            "buffered_body_bytes",
+            "Request-body bytes held, over every request being read or served",
+            m.buffered_body_bytes.clone(),
+        );
         r.register(
             "circuit_state",
             "The circuit of each fallback target (upstream/model): 0 closed, 1 half-open, 2 open",
@@ -359,6 +366,10 @@ impl Metrics {
 
     pub(crate) fn in_flight(&self) -> &Gauge {
         &self.in_flight
+    }
+
+    pub(crate) fn buffered_body_bytes(&self) -> &Gauge {
+        &self.buffered_body_bytes
     }
 }
 

@@ -30,6 +30,7 @@ use tower_llm_retry::retry::{GiveUpReason, NoRetry, Override};
 use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 
 use crate::body::{Ended, ProxyBody};
+use crate::budget::{BodyBudget, Reservation};
 use crate::config::{Config, ConfigError, Kind, Preset, ResumeMode, Secret};
 use crate::deadline;
 use crate::envelope::{self, Reject, StreamStyle};
@@ -56,8 +57,8 @@ pub const TARGETS: &str = "x-llm-retry-targets";
 /// may stay silent before its first request.
 const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// How long a request body may go without a byte while the proxy reads it: the request holds
-/// one of the `max_concurrent_requests` slots meanwhile.
+/// How long a request body may go without a byte while the proxy reads it (the whole body
+/// has `body_timeout_secs`).
 const BODY_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A configured proxy, ready to serve.
@@ -74,6 +75,7 @@ struct State {
     tenants: Tenants,
     metrics: Arc<Metrics>,
     limit: Arc<Semaphore>,
+    body_budget: Arc<BodyBudget>,
     client_token: Option<[u8; 32]>,
     salt: [u8; 16],
     draining: AtomicBool,
@@ -129,6 +131,10 @@ impl Proxy {
                         .saturating_mul(config.upstream.len().max(1)),
                 ),
                 limit: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+                body_budget: BodyBudget::new(
+                    config.buffered_body_budget(),
+                    metrics.buffered_body_bytes().clone(),
+                ),
                 factories,
                 metrics,
                 client_token,
@@ -257,12 +263,21 @@ fn is_event_stream(headers: &http::HeaderMap) -> bool {
 enum BodyError {
     TooLarge,
     Stalled,
+    /// Not whole by the body deadline.
+    TooSlow,
+    /// Over what is left of the body budget.
+    OverBudget,
     Read,
 }
 
 /// Reads a request body whole, up to `cap` bytes, each frame within [`BODY_IDLE_TIMEOUT`] of
-/// the one before.
-async fn read_body<B>(body: B, cap: usize) -> Result<Bytes, BodyError>
+/// the one before and all of it by `deadline`, taking each frame's bytes from `reservation`.
+async fn read_body<B>(
+    body: B,
+    cap: usize,
+    deadline: Instant,
+    reservation: &mut Reservation,
+) -> Result<Bytes, BodyError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -270,8 +285,10 @@ where
     let mut body = std::pin::pin!(Limited::new(body, cap));
     let mut chunks: Vec<Bytes> = Vec::new();
     loop {
-        let frame = match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.frame()).await {
-            Err(_) => return Err(BodyError::Stalled),
+        let idle = Instant::now() + BODY_IDLE_TIMEOUT;
+        let frame = match tokio::time::timeout_at(idle.min(deadline), body.frame()).await {
+            Err(_) if idle < deadline => return Err(BodyError::Stalled),
+            Err(_) => return Err(BodyError::TooSlow),
             Ok(None) => break,
             Ok(Some(Ok(frame))) => frame,
             Ok(Some(Err(e))) => {
@@ -289,6 +306,9 @@ where
         // Trailers of a request are not forwarded (as before): only the data is kept.
         if let Ok(data) = frame.into_data() {
             if !data.is_empty() {
+                if !reservation.grow(data.len()) {
+                    return Err(BodyError::OverBudget);
+                }
                 chunks.push(data);
             }
         }
@@ -325,6 +345,22 @@ fn text(
 }
 
 impl State {
+    fn busy(&self, kind: Kind) -> Response<ProxyBody> {
+        self.reject(
+            kind,
+            Reject::Busy,
+            "the proxy is handling as many requests as it is allowed to; retry shortly",
+        )
+    }
+
+    fn body_memory(&self, kind: Kind) -> Response<ProxyBody> {
+        self.reject(
+            kind,
+            Reject::BodyMemory,
+            "the request bodies this proxy holds leave no room for this one; retry shortly",
+        )
+    }
+
     fn reject(&self, kind: Kind, reject: Reject, message: &str) -> Response<ProxyBody> {
         self.metrics.rejected(reject.as_str());
         envelope::response(kind, reject, message)
@@ -397,13 +433,11 @@ impl State {
         let up = factory.upstream().clone();
         let kind = up.kind;
 
-        let Ok(permit) = self.limit.clone().try_acquire_owned() else {
-            return self.reject(
-                kind,
-                Reject::Busy,
-                "the proxy is handling as many requests as it is allowed to; retry shortly",
-            );
-        };
+        // The slot is taken once the body is read (a body still arriving holds only its
+        // bytes, which the body budget bounds); a proxy already full says so at once.
+        if self.limit.available_permits() == 0 {
+            return self.busy(kind);
+        }
         self.metrics.in_flight().inc();
         let _in_flight = InFlight(&self.metrics);
 
@@ -455,11 +489,25 @@ impl State {
                     &format!("request body of {n} bytes is over this proxy's limit of {cap}"),
                 )
             }
+            Some(Some(n)) if n > self.body_budget.left() as u64 => return self.body_memory(kind),
             _ => {}
         }
         let (parts, body) = req.into_parts();
-        let body = match read_body(body, cap).await {
+        let mut reservation = self.body_budget.reserve();
+        let body_deadline = gone.start + self.config.body_timeout();
+        let body = match read_body(body, cap, body_deadline, &mut reservation).await {
             Ok(b) => b,
+            Err(BodyError::OverBudget) => return self.body_memory(kind),
+            Err(BodyError::TooSlow) => {
+                return self.reject(
+                    kind,
+                    Reject::BodyTimeout,
+                    &format!(
+                        "the request body did not arrive whole within {} s",
+                        self.config.body_timeout_secs
+                    ),
+                )
+            }
             Err(BodyError::TooLarge) => {
                 return self.reject(
                     kind,
@@ -480,6 +528,9 @@ impl State {
             Err(BodyError::Read) => {
                 return self.reject(kind, Reject::BodyRead, "the request body could not be read")
             }
+        };
+        let Ok(permit) = self.limit.clone().try_acquire_owned() else {
+            return self.busy(kind);
         };
 
         let base = up.url.trim_end_matches('/');
@@ -655,7 +706,8 @@ impl State {
                 let name = up.name.clone();
                 let on_abort: crate::body::OnAbort =
                     Box::new(move |k| metrics.stream_abort(&name, k));
-                let mut body = ProxyBody::upstream(body, style, Some(permit), Some(on_abort));
+                let mut body = ProxyBody::upstream(body, style, Some(permit), Some(on_abort))
+                    .holding(reservation);
                 if sse {
                     let state = self.clone();
                     let (name, method, path) = (up.name.clone(), method.clone(), path.clone());
