@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tower_llm_retry::mock::{Reply, Script};
+use tower_llm_retry::mock::{sse, Reply, Script, SseFrame};
 use tower_llm_retry_proxy::Config;
 
 use crate::common::*;
@@ -217,4 +217,36 @@ async fn the_body_budget_refuses_what_would_not_fit_and_comes_back_to_zero() {
     let sent: Vec<[u8; 32]> = bodies.iter().map(|b| sha256(b)).collect();
     assert_eq!(got, sent);
     assert_eq!(buffered_body_bytes(&h).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_holds_its_request_body_to_its_last_byte() {
+    // Four events a second apart: the retry loop keeps the request (to send it again) until
+    // the response body is dropped, and the budget counts it so long.
+    let events: Vec<SseFrame> = sse::anthropic_message(&["a", "b", "c", "d"])
+        .into_iter()
+        .map(|e| e.after(Duration::from_secs(1)))
+        .collect();
+    let h = start(Script::always(Reply::sse(events.clone()))).await;
+    let held = MESSAGES_STREAM.len() as u64;
+
+    // Read to its end.
+    let res = h.messages(MESSAGES_STREAM).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(buffered_body_bytes(&h).await, held);
+    let (frames, end) = frames(res).await;
+    end.unwrap();
+    assert_eq!(sha256(&joined(&frames)), sha256(&concat(&events)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(buffered_body_bytes(&h).await, 0);
+
+    // Dropped by its client after the first frame: given back when the proxy drops the body.
+    let res = h.messages(MESSAGES_STREAM).await;
+    let mut body = res.into_body();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(buffered_body_bytes(&h).await, held);
+    drop(body);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(buffered_body_bytes(&h).await, 0);
+    assert_eq!(h.mock.request_count(), 2);
 }
