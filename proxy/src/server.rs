@@ -271,11 +271,12 @@ enum BodyError {
 }
 
 /// Reads a request body whole, up to `cap` bytes, each frame within [`BODY_IDLE_TIMEOUT`] of
-/// the one before and all of it by `deadline`, taking each frame's bytes from `reservation`.
+/// the one before and all of it by `deadline` (none: a timeout past what time can count),
+/// taking each frame's bytes from `reservation`.
 async fn read_body<B>(
     body: B,
     cap: usize,
-    deadline: Instant,
+    deadline: Option<Instant>,
     reservation: &mut Reservation,
 ) -> Result<Bytes, BodyError>
 where
@@ -286,8 +287,9 @@ where
     let mut chunks: Vec<Bytes> = Vec::new();
     loop {
         let idle = Instant::now() + BODY_IDLE_TIMEOUT;
-        let frame = match tokio::time::timeout_at(idle.min(deadline), body.frame()).await {
-            Err(_) if idle < deadline => return Err(BodyError::Stalled),
+        let until = deadline.map_or(idle, |d| idle.min(d));
+        let frame = match tokio::time::timeout_at(until, body.frame()).await {
+            Err(_) if until == idle => return Err(BodyError::Stalled),
             Err(_) => return Err(BodyError::TooSlow),
             Ok(None) => break,
             Ok(Some(Ok(frame))) => frame,
@@ -494,7 +496,7 @@ impl State {
         }
         let (parts, body) = req.into_parts();
         let mut reservation = self.body_budget.reserve();
-        let body_deadline = gone.start + self.config.body_timeout();
+        let body_deadline = gone.start.checked_add(self.config.body_timeout());
         let body = match read_body(body, cap, body_deadline, &mut reservation).await {
             Ok(b) => b,
             Err(BodyError::OverBudget) => return self.body_memory(kind),

@@ -250,3 +250,23 @@ async fn a_stream_holds_its_request_body_to_its_last_byte() {
     assert_eq!(buffered_body_bytes(&h).await, 0);
     assert_eq!(h.mock.request_count(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_body_timeout_past_what_time_can_count_leaves_the_idle_limit() {
+    let h = start_with(Script::always(Reply::success()), |c| {
+        c.body_timeout_secs = u64::MAX;
+    })
+    .await;
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+    // The 30 s between two bytes still holds.
+    let started = Instant::now();
+    let answer = raw(
+        &h,
+        b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nanthropic-version: 2023-06-01\r\n\
+          content-length: 100\r\n\r\n{",
+    )
+    .await;
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("no byte for 30 s"), "{answer}");
+}
