@@ -5,6 +5,7 @@
 mod common;
 
 mod bad_input;
+mod connections;
 mod deadline;
 mod failover;
 mod failover_faults;
