@@ -42,7 +42,8 @@ pub struct Config {
     /// long closes the connection. `0` sends none. Defaults to 20 s.
     pub http2_keep_alive_secs: u64,
     /// How long a write to a client may wait for the client to read (its receive window
-    /// full) before the connection is cut and its request's slot freed. Defaults to 30 s.
+    /// full), or a response for the client to take its next piece (HTTP/2 flow control),
+    /// before the connection is cut and its request's slot freed. Defaults to 30 s.
     pub write_timeout_secs: u64,
     /// How long a shutdown waits for in-flight requests and streams before it cuts them.
     /// Defaults to 30 s.

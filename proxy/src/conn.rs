@@ -6,7 +6,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 /// The process's file-descriptor limits, as [`raise_fd_limit`] found and left them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,6 +162,24 @@ pub(crate) struct Activity {
     changed: Notify,
     /// Told when the connection cap needs this connection's place.
     pub(crate) evict: Notify,
+    /// The responses in flight, each with the instant since which it has waited for the
+    /// client to take its next piece.
+    responses: Mutex<Vec<Weak<Waiting>>>,
+}
+
+/// Since when a response body has had a piece taken by hyper and not been asked for the next:
+/// hyper is then waiting on the client (a full socket, or HTTP/2 flow control).
+#[derive(Debug, Default)]
+struct Waiting(Mutex<Option<Instant>>);
+
+impl Waiting {
+    fn set(&self, since: Option<Instant>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = since;
+    }
+
+    fn get(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Activity {
@@ -176,7 +194,35 @@ impl Activity {
         self.started.fetch_add(1, Ordering::SeqCst);
         self.open.fetch_add(1, Ordering::SeqCst);
         self.changed.notify_one();
-        Open(self.clone())
+        let waiting = Arc::new(Waiting::default());
+        let mut responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        responses.retain(|w| w.strong_count() > 0);
+        responses.push(Arc::downgrade(&waiting));
+        Open {
+            activity: self.clone(),
+            waiting,
+        }
+    }
+
+    /// Resolves once a response has waited `after` for the client to take its next piece.
+    /// Over HTTP/2 a stream whose flow-control window the client never opens waits so while
+    /// the socket stays writable: the write timeout of the socket does not see it.
+    pub(crate) async fn stalled(&self, after: Duration) {
+        loop {
+            let earliest = {
+                let mut responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+                responses.retain(|w| w.strong_count() > 0);
+                responses
+                    .iter()
+                    .filter_map(|w| w.upgrade().and_then(|w| w.get()))
+                    .min()
+            };
+            match earliest {
+                Some(since) if since.elapsed() >= after => return,
+                Some(since) => tokio::time::sleep_until(since + after).await,
+                None => tokio::time::sleep(after).await,
+            }
+        }
     }
 
     /// Resolves once the connection has made a request and then gone `after` with none in
@@ -200,20 +246,33 @@ impl Activity {
 
 /// A request in flight on a connection.
 #[derive(Debug)]
-pub(crate) struct Open(Arc<Activity>);
+pub(crate) struct Open {
+    activity: Arc<Activity>,
+    waiting: Arc<Waiting>,
+}
 
 impl Drop for Open {
     fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.changed.notify_one();
+        if self.activity.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.activity.changed.notify_one();
         }
     }
 }
 
-/// A response body that keeps its request counted in flight until hyper drops it.
+/// A response body that keeps its request counted in flight until hyper drops it, and tells
+/// the connection how long hyper has waited on the client since its last piece.
 pub(crate) struct Tracked<B> {
-    pub(crate) inner: B,
-    pub(crate) _open: Open,
+    inner: B,
+    open: Open,
+}
+
+impl<B> Tracked<B> {
+    /// The response is handed to hyper: from now on, until hyper asks for a piece, it waits
+    /// on the client.
+    pub(crate) fn new(inner: B, open: Open) -> Self {
+        open.waiting.set(Some(Instant::now()));
+        Tracked { inner, open }
+    }
 }
 
 impl<B: Body<Data = Bytes> + Unpin> Body for Tracked<B> {
@@ -224,7 +283,10 @@ impl<B: Body<Data = Bytes> + Unpin> Body for Tracked<B> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let res = Pin::new(&mut self.inner).poll_frame(cx);
+        let since = matches!(res, Poll::Ready(Some(Ok(_)))).then(Instant::now);
+        self.open.waiting.set(since);
+        res
     }
 
     fn is_end_stream(&self) -> bool {

@@ -241,7 +241,7 @@ impl Proxy {
                 let state = state.clone();
                 async move {
                     let res = state.handle(req).await;
-                    Ok::<_, Infallible>(res.map(|inner| conn::Tracked { inner, _open: open }))
+                    Ok::<_, Infallible>(res.map(|inner| conn::Tracked::new(inner, open)))
                 }
             });
             let io = conn::WriteTimeout::new(tcp, write_timeout);
@@ -261,6 +261,7 @@ impl Proxy {
                 };
                 let mut silent = std::pin::pin!(silent);
                 let mut idle = std::pin::pin!(activity.idle(idle_after));
+                let mut stalled = std::pin::pin!(activity.stalled(write_timeout));
                 let mut closing = false;
                 loop {
                     tokio::select! {
@@ -272,6 +273,10 @@ impl Proxy {
                         }
                         () = &mut silent => {
                             tracing::debug!("connection closed: no request in time");
+                            break;
+                        }
+                        () = &mut stalled => {
+                            tracing::debug!("connection cut: a response waited too long for the client to read");
                             break;
                         }
                         () = activity.evict.notified() => {

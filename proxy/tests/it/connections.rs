@@ -187,3 +187,50 @@ async fn a_client_that_does_not_read_is_cut_at_the_write_timeout_and_frees_its_s
     }
     assert!(got < 64 << 20, "{got}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_http2_stream_the_client_does_not_read_is_cut_at_the_write_timeout() {
+    // Over HTTP/2 the client's flow-control window, not the socket, stops the stream: the
+    // socket stays writable and only the response's own wait shows the client is not reading.
+    let chunk = Bytes::from(format!("data: {}\n\n", "x".repeat(16 * 1024 - 8)));
+    let frames = (0..64).map(|_| SseFrame::raw(chunk.clone())).collect();
+    let h = start_with(
+        Script::new()
+            .then(Reply::sse(frames))
+            .then(Reply::success()),
+        |c| {
+            c.max_concurrent_requests = 1;
+            c.http2_keep_alive_secs = 0;
+        },
+    )
+    .await;
+    let tcp = TcpStream::connect(h.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(16 * 1024)
+        .adaptive_window(false)
+        .handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::get(h.url("/v1/models"))
+        .header("x-api-key", "sk-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let res = send.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let started = tokio::time::Instant::now();
+    // The head is in, the body is not read: the stream holds the one slot.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(h.messages(MESSAGES).await.status(), 503);
+    // The connection is cut once the response has waited 30 s on the client, and the slot
+    // is free.
+    tokio::time::timeout(Duration::from_secs(3600), conn)
+        .await
+        .expect("the proxy cuts the connection")
+        .unwrap()
+        .expect_err("cut, not closed cleanly");
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+    drop(res);
+}
