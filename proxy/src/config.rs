@@ -42,6 +42,21 @@ pub struct Config {
     /// it while read, is refused with `503` and `Retry-After: 1`, nothing sent upstream.
     /// Must be at least `max_body_bytes`. Defaults to 8 × `max_body_bytes` (256 MiB).
     pub max_buffered_body_bytes: Option<usize>,
+    /// Client connections open at once. At the cap, a new connection takes the place of the
+    /// oldest one that has not sent a request yet; with none such, it is closed at once. The
+    /// cap is kept at half the soft file-descriptor limit at most (the other half is for
+    /// upstream connections), lowered with a warning if set higher. Defaults to 4,096.
+    pub max_connections: usize,
+    /// How long a client connection may stay open with no request in flight, after its first
+    /// request (HTTP/2: `GOAWAY`, then closed). Defaults to 30 s.
+    pub connection_idle_timeout_secs: u64,
+    /// The interval of the HTTP/2 keep-alive pings sent to clients; a ping unanswered for as
+    /// long closes the connection. `0` sends none. Defaults to 20 s.
+    pub http2_keep_alive_secs: u64,
+    /// How long a write to a client may wait for the client to read (its receive window
+    /// full), or a response for the client to take its next piece (HTTP/2 flow control),
+    /// before the connection is cut and its request's slot freed. Defaults to 30 s.
+    pub write_timeout_secs: u64,
     /// How long a shutdown waits for in-flight requests and streams before it cuts them.
     /// Defaults to 30 s.
     pub drain_timeout_secs: u64,
@@ -79,6 +94,10 @@ impl Default for Config {
             max_concurrent_requests: 512,
             body_timeout_secs: 60,
             max_buffered_body_bytes: None,
+            max_connections: 4096,
+            connection_idle_timeout_secs: 30,
+            http2_keep_alive_secs: 20,
+            write_timeout_secs: 30,
             drain_timeout_secs: 30,
             max_tenants: 1024,
             log_format: LogFormat::Text,
@@ -1005,6 +1024,19 @@ impl Config {
                 tokio::sync::Semaphore::MAX_PERMITS
             )));
         }
+        if self.max_connections == 0 {
+            return Err(ConfigError::new(
+                "max_connections = 0 would refuse every connection: use at least 1",
+            ));
+        }
+        if self.connection_idle_timeout_secs == 0 {
+            return Err(ConfigError::new(
+                "connection_idle_timeout_secs must be at least 1",
+            ));
+        }
+        if self.write_timeout_secs == 0 {
+            return Err(ConfigError::new("write_timeout_secs must be at least 1"));
+        }
         if self.max_tenants == 0 {
             return Err(ConfigError::new("max_tenants must be at least 1"));
         }
@@ -1182,6 +1214,21 @@ impl Config {
     /// The drain deadline.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_secs(self.drain_timeout_secs)
+    }
+
+    /// `connection_idle_timeout_secs` as a duration.
+    pub fn connection_idle_timeout(&self) -> Duration {
+        Duration::from_secs(self.connection_idle_timeout_secs)
+    }
+
+    /// `write_timeout_secs` as a duration.
+    pub fn write_timeout(&self) -> Duration {
+        Duration::from_secs(self.write_timeout_secs)
+    }
+
+    /// `http2_keep_alive_secs` as a duration, `None` when `0`.
+    pub fn http2_keep_alive(&self) -> Option<Duration> {
+        (self.http2_keep_alive_secs > 0).then(|| Duration::from_secs(self.http2_keep_alive_secs))
     }
 }
 
@@ -1484,6 +1531,33 @@ mod tests {
         };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("max_concurrent_requests"), "{e}");
+    }
+
+    #[test]
+    fn connection_limits_of_zero_are_refused() {
+        for (tweak, key) in [
+            (
+                (|c: &mut Config| c.max_connections = 0) as fn(&mut Config),
+                "max_connections",
+            ),
+            (
+                |c| c.connection_idle_timeout_secs = 0,
+                "connection_idle_timeout_secs",
+            ),
+            (|c| c.write_timeout_secs = 0, "write_timeout_secs"),
+        ] {
+            let mut c = Config::default();
+            tweak(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+        // No pings is a choice, not a mistake.
+        let c = Config {
+            http2_keep_alive_secs: 0,
+            ..Config::default()
+        };
+        c.validate().unwrap();
+        assert_eq!(c.http2_keep_alive(), None);
     }
 
     /// Two OpenAI upstreams and one Anthropic upstream, for the failover checks.

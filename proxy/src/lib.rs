@@ -12,7 +12,8 @@
 //! ```
 //!
 //! The modules, in the order a request meets them: [`server`] (listener, ops endpoints,
-//! token check, caps, headers), [`deadline`] (the client's deadline), [`routes`] (path → upstream), [`forward`] (which headers
+//! token check, caps, headers), [`conn`] (connection limits: the cap, the descriptor limit,
+//! idle and write timeouts), [`deadline`] (the client's deadline), [`routes`] (path → upstream), [`forward`] (which headers
 //! cross), [`stack`] (the retry stack per upstream, its fleet scoped per credential),
 //! [`body`] (the response copy, and the protocol's error when a stream fails after its commit
 //! point), [`envelope`]
@@ -26,6 +27,7 @@
 pub mod body;
 mod budget;
 pub mod config;
+pub mod conn;
 pub mod deadline;
 pub mod demo;
 pub mod envelope;

@@ -83,6 +83,17 @@ async fn run(mut config: Config, demo: bool) -> Result<(), Box<dyn std::error::E
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
+    // Each client and upstream connection is a descriptor: the soft limit (often 1,024) goes
+    // up to the hard one before the connection cap is set from it.
+    match tower_llm_retry_proxy::conn::raise_fd_limit() {
+        Ok(l) => tracing::info!(
+            soft_before = l.before,
+            soft = l.soft,
+            hard = l.hard,
+            "file-descriptor limit"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the file-descriptor limit"),
+    }
     let proxy = Proxy::new(config)?;
     let shutdown = shutdown_signal()?;
     tracing::info!(%addr, "listening");

@@ -2,6 +2,7 @@
 //! concurrency cap, the body cap, the call through the tenant's stack, and the response
 //! headers that tell an SDK what happened.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
@@ -16,11 +17,10 @@ use http_body::Body;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
@@ -32,6 +32,7 @@ use tower_llm_retry::{BoxError, ErrorKind, RetryTrail};
 use crate::body::{Ended, ProxyBody};
 use crate::budget::{BodyBudget, Reservation};
 use crate::config::{Config, ConfigError, Kind, Preset, ResumeMode, Secret};
+use crate::conn;
 use crate::deadline;
 use crate::envelope::{self, Reject, StreamStyle};
 use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
@@ -175,7 +176,7 @@ impl Proxy {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> io::Result<()> {
-        let graceful = GracefulShutdown::new();
+        let config = &self.state.config;
         let mut builder = auto::Builder::new(TokioExecutor::new());
         // A client that does not finish sending its headers in time is dropped, so idle
         // connections cannot pile up.
@@ -183,6 +184,33 @@ impl Proxy {
             .http1()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT);
+        // Pings find a client gone without a word; the idle timeout below closes one that
+        // is there but has nothing in flight.
+        builder
+            .http2()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .keep_alive_interval(config.http2_keep_alive());
+        if let Some(every) = config.http2_keep_alive() {
+            builder.http2().keep_alive_timeout(every);
+        }
+        let idle_after = config.connection_idle_timeout();
+        let write_timeout = config.write_timeout();
+        let cap = conn::connection_cap(config.max_connections, conn::fd_soft_limit());
+        if cap < config.max_connections {
+            tracing::warn!(
+                max_connections = config.max_connections,
+                cap,
+                fd_limit = conn::fd_soft_limit(),
+                "max_connections lowered to half the file-descriptor limit"
+            );
+        }
+        let slots = Arc::new(Semaphore::new(cap));
+        // Every connection in accept order, for the cap to find the oldest that has sent
+        // nothing (a task that ended has dropped its clone).
+        let mut accepted: VecDeque<Arc<conn::Activity>> = VecDeque::new();
+        // Tells every connection to finish what it has in flight and close; the drain is
+        // over when every connection has dropped its receiver.
+        let (stop_tx, _) = watch::channel(());
         let mut conns = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
@@ -198,34 +226,79 @@ impl Proxy {
                 },
                 () = &mut shutdown => break,
             };
+            if accepted.len() >= cap.saturating_mul(2) {
+                accepted.retain(|a| Arc::strong_count(a) > 1);
+            }
+            let Some(slot) = admit(&slots, &mut accepted).await else {
+                tracing::debug!(
+                    cap,
+                    "connection cap reached: a new connection closed at once"
+                );
+                drop(tcp);
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let state = self.state.clone();
-            // Set by the connection's first request. Until then no timeout of hyper's runs:
-            // HTTP/1's header timeout starts once the protocol is known, and a connection
-            // that sends nothing, or half of HTTP/2's preface, never gets that far.
-            let served = Arc::new(AtomicBool::new(false));
-            let seen = served.clone();
+            let activity = Arc::new(conn::Activity::default());
+            accepted.push_back(activity.clone());
+            let seen = activity.clone();
             let svc = hyper::service::service_fn(move |req| {
-                seen.store(true, Ordering::Relaxed);
+                let open = seen.begin();
                 let state = state.clone();
-                async move { Ok::<_, Infallible>(state.handle(req).await) }
+                async move {
+                    let res = state.handle(req).await;
+                    Ok::<_, Infallible>(res.map(|inner| conn::Tracked::new(inner, open)))
+                }
             });
-            let conn = builder
-                .serve_connection(TokioIo::new(tcp), svc)
-                .into_owned();
-            let conn = graceful.watch(conn);
+            let io = conn::WriteTimeout::new(tcp, write_timeout);
+            let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
+            let mut stop = stop_tx.subscribe();
             conns.spawn(async move {
+                let _slot = slot;
+                let mut conn = std::pin::pin!(conn);
+                // Until the first request no timeout of hyper's runs: HTTP/1's header
+                // timeout starts once the protocol is known, and a connection that sends
+                // nothing, or half of HTTP/2's preface, never gets that far.
                 let silent = async {
                     tokio::time::sleep(HEADER_READ_TIMEOUT).await;
-                    if served.load(Ordering::Relaxed) {
+                    if activity.served() {
                         std::future::pending::<()>().await;
                     }
                 };
-                tokio::select! {
-                    res = conn => if let Err(e) = res {
-                        tracing::debug!(error = %e, "connection ended with an error");
-                    },
-                    () = silent => tracing::debug!("connection closed: no request in time"),
+                let mut silent = std::pin::pin!(silent);
+                let mut idle = std::pin::pin!(activity.idle(idle_after));
+                let mut stalled = std::pin::pin!(activity.stalled(write_timeout));
+                let mut closing = false;
+                loop {
+                    tokio::select! {
+                        res = conn.as_mut() => {
+                            if let Err(e) = res {
+                                tracing::debug!(error = %e, "connection ended with an error");
+                            }
+                            break;
+                        }
+                        () = &mut silent => {
+                            tracing::debug!("connection closed: no request in time");
+                            break;
+                        }
+                        () = &mut stalled => {
+                            tracing::debug!("connection cut: a response waited too long for the client to read");
+                            break;
+                        }
+                        () = activity.evict.notified() => {
+                            tracing::debug!("connection closed: its place went to a new one");
+                            break;
+                        }
+                        _ = stop.changed(), if !closing => {
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
+                        }
+                        () = &mut idle, if !closing => {
+                            tracing::debug!("connection closed: idle");
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
+                        }
+                    }
                 }
             });
             // Reap finished connections so the set does not grow.
@@ -235,8 +308,9 @@ impl Proxy {
         self.state.draining.store(true, Ordering::SeqCst);
         let deadline = self.state.config.drain_timeout();
         tracing::info!(?deadline, "shutting down: draining requests in flight");
+        let _ = stop_tx.send(());
         tokio::select! {
-            () = graceful.shutdown() => tracing::info!("drained"),
+            () = stop_tx.closed() => tracing::info!("drained"),
             () = tokio::time::sleep(deadline) => {
                 tracing::warn!(open = conns.len(), "drain deadline reached: cutting what is left");
             }
@@ -244,6 +318,28 @@ impl Proxy {
         conns.shutdown().await;
         Ok(())
     }
+}
+
+/// A place under the connection cap for a new connection: a free one, else the place of the
+/// oldest connection that has not sent a request yet (it is told to close), else none. A
+/// connection that sent nothing is the cheapest to lose and the likeliest to be hostile; the
+/// ones serving requests, and new clients such as health checks, keep being served.
+async fn admit(
+    slots: &Arc<Semaphore>,
+    accepted: &mut VecDeque<Arc<conn::Activity>>,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(slot) = slots.clone().try_acquire_owned() {
+        return Some(slot);
+    }
+    accepted.retain(|a| Arc::strong_count(a) > 1 && !a.served());
+    let victim = accepted.pop_front()?;
+    victim.evict.notify_one();
+    drop(victim);
+    // Its task ends at once and gives the place back.
+    tokio::time::timeout(Duration::from_secs(1), slots.clone().acquire_owned())
+        .await
+        .ok()?
+        .ok()
 }
 
 /// Whether an answer is an event stream: `text/event-stream` in any case (media types are

@@ -1,0 +1,236 @@
+//! Connection-level limits against real sockets: the idle timeout of HTTP/2 connections, the
+//! connection cap, and the write timeout of a client that does not read.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tower_llm_retry::mock::{Reply, Script, SseFrame};
+
+use crate::common::*;
+
+const LIVEZ: &[u8] = b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n";
+
+/// Sends `GET /livez` on `s` and returns the first bytes of the answer.
+async fn livez(s: &mut TcpStream) -> String {
+    s.write_all(LIVEZ).await.unwrap();
+    let mut buf = [0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(1), s.read(&mut buf))
+        .await
+        .expect("answered at once")
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// Whether the proxy closed `s` (end of stream or reset) within a second.
+async fn closed_at_once(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(Duration::from_secs(1), s.read(&mut buf)).await {
+        Err(_) => false,
+        Ok(Ok(n)) => n == 0,
+        Ok(Err(_)) => true,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_http2_connection_is_closed_after_the_idle_timeout() {
+    let h = start(Script::always(Reply::success())).await;
+    let tcp = TcpStream::connect(h.addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let res = send
+        .send_request(
+            Request::get(h.url("/livez"))
+                .body(Empty::<Bytes>::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "ok\n");
+    let idle_since = tokio::time::Instant::now();
+    // The client answers the proxy's keep-alive pings all along (every 20 s): only the idle
+    // timeout closes the connection, 30 s after its last stream ended.
+    tokio::time::timeout(Duration::from_secs(3600), conn)
+        .await
+        .expect("the proxy closes an idle HTTP/2 connection")
+        .unwrap()
+        .expect("closed with GOAWAY, not cut");
+    assert_eq!(idle_since.elapsed(), Duration::from_secs(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http2_connection_with_a_stream_open_is_not_idle() {
+    // A connection with a stream open is not idle: a response that takes longer than the
+    // idle timeout is delivered whole, and the connection closes 30 s after it ends.
+    // No pings here: under paused time the clock can jump to a ping's deadline before its
+    // answer, already on the socket, is read (the pings on an idle connection are above).
+    let h = start_with(
+        Script::always(Reply::sse(vec![
+            SseFrame::data("one"),
+            SseFrame::data("two").after(Duration::from_secs(50)),
+        ])),
+        |c| c.http2_keep_alive_secs = 0,
+    )
+    .await;
+    let tcp = TcpStream::connect(h.addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    // No request body: the stream is what matters here.
+    let req = Request::get(h.url("/v1/models"))
+        .header("x-api-key", "sk-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let res = send.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "data: one\n\ndata: two\n\n");
+    assert_eq!(started.elapsed(), Duration::from_secs(50));
+    let idle_since = tokio::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(3600), conn)
+        .await
+        .expect("closed once idle")
+        .unwrap()
+        .unwrap();
+    assert_eq!(idle_since.elapsed(), Duration::from_secs(30));
+    drop(send);
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_the_connection_cap_a_silent_connection_gives_its_place_else_a_new_one_is_closed() {
+    let h = start_with(Script::always(Reply::success()), |c| c.max_connections = 3).await;
+    // Three connections that say nothing fill the cap.
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(TcpStream::connect(h.addr).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // A new client is served: the oldest silent connection made room for it, at once.
+    let mut fresh = TcpStream::connect(h.addr).await.unwrap();
+    let answer = livez(&mut fresh).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        closed_at_once(&mut silent[0]).await,
+        "the oldest silent one"
+    );
+    assert!(!closed_at_once(&mut silent[1]).await);
+    assert!(!closed_at_once(&mut silent[2]).await);
+    // Now every connection within the cap has made a request: one more is closed at once,
+    // and the others go on being served.
+    for s in &mut silent[1..] {
+        let answer = livez(s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let mut over = TcpStream::connect(h.addr).await.unwrap();
+    let _ = over.write_all(LIVEZ).await;
+    assert!(closed_at_once(&mut over).await, "over the cap");
+    let answer = livez(&mut fresh).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // Once a connection closes, its place is free for the next.
+    drop(silent);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut next = TcpStream::connect(h.addr).await.unwrap();
+    let answer = livez(&mut next).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_does_not_read_is_cut_at_the_write_timeout_and_frees_its_slot() {
+    // 64 MiB of events: far more than the sockets' buffers hold.
+    let chunk = Bytes::from(format!("data: {}\n\n", "x".repeat(64 * 1024 - 8)));
+    let frames = (0..1024).map(|_| SseFrame::raw(chunk.clone())).collect();
+    let h = start_with(
+        Script::new()
+            .then(Reply::sse(frames))
+            .then(Reply::success()),
+        |c| c.max_concurrent_requests = 1,
+    )
+    .await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut reader = socket.connect(h.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         anthropic-version: 2023-06-01\r\nx-api-key: sk-client\r\ncontent-length: {}\r\n\r\n",
+        MESSAGES_STREAM.len()
+    );
+    reader.write_all(head.as_bytes()).await.unwrap();
+    reader.write_all(MESSAGES_STREAM.as_bytes()).await.unwrap();
+    // The stream fills the buffers and waits on the client: it holds the one slot.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(h.mock.request_count(), 1);
+    assert_eq!(h.messages(MESSAGES).await.status(), 503);
+    // 30 s after the proxy's writes first waited, the connection is cut and the slot free.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+    assert_eq!(h.mock.request_count(), 2);
+    // What the client reads now ends short of the 64 MiB: the proxy cut it.
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match reader.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    assert!(got < 64 << 20, "{got}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http2_stream_the_client_does_not_read_is_cut_at_the_write_timeout() {
+    // Over HTTP/2 the client's flow-control window, not the socket, stops the stream: the
+    // socket stays writable and only the response's own wait shows the client is not reading.
+    let chunk = Bytes::from(format!("data: {}\n\n", "x".repeat(16 * 1024 - 8)));
+    let frames = (0..64).map(|_| SseFrame::raw(chunk.clone())).collect();
+    let h = start_with(
+        Script::new()
+            .then(Reply::sse(frames))
+            .then(Reply::success()),
+        |c| {
+            c.max_concurrent_requests = 1;
+            c.http2_keep_alive_secs = 0;
+        },
+    )
+    .await;
+    let tcp = TcpStream::connect(h.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(16 * 1024)
+        .adaptive_window(false)
+        .handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::get(h.url("/v1/models"))
+        .header("x-api-key", "sk-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let res = send.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let started = tokio::time::Instant::now();
+    // The head is in, the body is not read: the stream holds the one slot.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(h.messages(MESSAGES).await.status(), 503);
+    // The connection is cut once the response has waited 30 s on the client, and the slot
+    // is free.
+    tokio::time::timeout(Duration::from_secs(3600), conn)
+        .await
+        .expect("the proxy cuts the connection")
+        .unwrap()
+        .expect_err("cut, not closed cleanly");
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+    drop(res);
+}
