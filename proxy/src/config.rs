@@ -186,7 +186,9 @@ pub struct Upstream {
     /// `anthropic` or `openai`. Defaults to `anthropic`.
     pub kind: Kind,
     /// The base URL; a path in it is kept in front of every forwarded path. Defaults to
-    /// `https://api.anthropic.com`.
+    /// `https://api.anthropic.com`. A `user:password@` in it is shown as `***@` by
+    /// `--check-config`, and no error quotes the URL.
+    #[serde(serialize_with = "serialize_url")]
     pub url: String,
     /// Requests under this path prefix go to this upstream, the prefix removed (`/eu/v1/models`
     /// → `{url}/v1/models`). The first upstream of each kind also takes that kind's well-known
@@ -997,6 +999,15 @@ impl Config {
                 "client_token is empty: set a token, or leave it out",
             ));
         }
+        if self.client_token.is_none() {
+            if let Some(name) = &self.client_token_env {
+                if std::env::var(name).is_ok_and(|v| !v.is_empty() && v.trim().is_empty()) {
+                    return Err(ConfigError::new(format!(
+                        "client_token_env names {name}, which holds only whitespace: set a token"
+                    )));
+                }
+            }
+        }
         let mut env_names: Vec<String> = Vec::new();
         self.redis_store()?;
         let mut prefixes = Vec::new();
@@ -1020,13 +1031,15 @@ impl Config {
                 )));
             }
             env_names.push(env);
-            let uri: http::Uri = up.url.parse().map_err(|e| {
-                ConfigError::new(format!("{at}: url {:?} is not a URL: {e}", up.url))
-            })?;
+            // The URL is not quoted: it may carry a password, and may come from an
+            // environment variable whose value no error shows.
+            let uri: http::Uri = up
+                .url
+                .parse()
+                .map_err(|e| ConfigError::new(format!("{at}: url is not a URL: {e}")))?;
             if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
                 return Err(ConfigError::new(format!(
-                    "{at}: url {:?} needs http:// or https:// and a host",
-                    up.url
+                    "{at}: url needs http:// or https:// and a host"
                 )));
             }
             if uri.query().is_some() {
@@ -1084,9 +1097,10 @@ impl Config {
             return Some(t.clone());
         }
         let name = self.client_token_env.as_ref()?;
+        // A token of only whitespace would match a header of spaces: never a token.
         std::env::var(name)
             .ok()
-            .filter(|v| !v.is_empty())
+            .filter(|v| !v.trim().is_empty())
             .map(Secret::new)
     }
 
@@ -1094,11 +1108,20 @@ impl Config {
     pub fn resolved_client_token(&self) -> Result<Option<Secret>, ConfigError> {
         if self.client_token.is_none() {
             if let Some(name) = &self.client_token_env {
-                if std::env::var(name).map_or(true, |v| v.is_empty()) {
-                    return Err(ConfigError::new(format!(
-                        "client_token_env names {name}, which is not set"
-                    )));
+                match std::env::var(name) {
+                    Ok(v) if v.is_empty() => {}
+                    Ok(v) if v.trim().is_empty() => {
+                        return Err(ConfigError::new(format!(
+                            "client_token_env names {name}, which holds only whitespace: \
+                             set a token"
+                        )))
+                    }
+                    Ok(_) => return Ok(self.client_token_source()),
+                    Err(_) => {}
                 }
+                return Err(ConfigError::new(format!(
+                    "client_token_env names {name}, which is not set"
+                )));
             }
         }
         Ok(self.client_token_source())
@@ -1136,6 +1159,21 @@ impl Config {
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_secs(self.drain_timeout_secs)
     }
+}
+
+/// `url` with whatever comes before the last `@` of its authority shown as `***`: a
+/// `user:password@` is never shown. Anything after the scheme up to the last `@` is taken for
+/// userinfo (a password may hold a `/`), so an `@` further on is masked too, never leaked.
+pub fn mask_userinfo(url: &str) -> std::borrow::Cow<'_, str> {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    match url[start..].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]).into(),
+        None => url.into(),
+    }
+}
+
+fn serialize_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&mask_userinfo(url))
 }
 
 /// A URL without its trailing slashes, to compare upstreams by.
@@ -1286,6 +1324,22 @@ mod tests {
             .apply_env([("LLM_RETRY_PROXY_UPSTREAM_NOPE_URL".into(), "x".into())])
             .unwrap_err();
         assert!(e.to_string().contains("UPSTREAM_NOPE_URL"), "{e}");
+    }
+
+    #[test]
+    fn userinfo_is_masked() {
+        for (url, shown) in [
+            (
+                "https://user:pw@host.example/b",
+                "https://***@host.example/b",
+            ),
+            ("https://user@host.example", "https://***@host.example"),
+            ("https://u:p/w@host.example/b", "https://***@host.example/b"),
+            ("u:pw@host.example", "***@host.example"),
+            ("https://host.example/v1", "https://host.example/v1"),
+        ] {
+            assert_eq!(mask_userinfo(url), shown, "{url}");
+        }
     }
 
     #[test]

@@ -311,8 +311,8 @@ impl Route {
     fn new(peer: &Peer) -> Result<Self, ConfigError> {
         let bad = || {
             ConfigError::from_message(format!(
-                "[[upstream]] {:?}: url {:?} is not a URL with a scheme and host",
-                peer.upstream.name, peer.upstream.url
+                "[[upstream]] {:?}: url is not a URL with a scheme and host",
+                peer.upstream.name
             ))
         };
         let uri: Uri = peer.upstream.url.parse().map_err(|_| bad())?;
