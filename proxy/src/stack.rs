@@ -403,7 +403,10 @@ fn build(
                     route.prefix
                 )));
             };
-            target = target.upstream(&base).map_err(|e| at(&e))?;
+            // The library's error quotes the URL, which may carry a password: not passed on.
+            target = target
+                .upstream(&base)
+                .map_err(|_| at(&format!("upstream {name:?}'s url is not a base URL")))?;
             if let Some(pool) = &peer.pool {
                 target = target.credential(pool.clone());
             }
