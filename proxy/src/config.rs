@@ -211,7 +211,7 @@ pub enum Roots {
 }
 
 /// One upstream API.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Upstream {
     /// A name for logs, metrics and env overrides. Defaults to `anthropic`.
@@ -219,7 +219,9 @@ pub struct Upstream {
     /// `anthropic` or `openai`. Defaults to `anthropic`.
     pub kind: Kind,
     /// The base URL; a path in it is kept in front of every forwarded path. Defaults to
-    /// `https://api.anthropic.com`.
+    /// `https://api.anthropic.com`. A `user:password@` in it is shown as `***@` by
+    /// `--check-config`, and no error quotes the URL.
+    #[serde(serialize_with = "serialize_url")]
     pub url: String,
     /// Requests under this path prefix go to this upstream, the prefix removed (`/eu/v1/models`
     /// → `{url}/v1/models`). The first upstream of each kind also takes that kind's well-known
@@ -446,6 +448,23 @@ impl CircuitConfig {
             .window(Duration::from_secs(self.window_secs))
             .cooldown(Duration::from_secs(self.cooldown_secs))
             .max_cooldown(Duration::from_secs(self.max_cooldown_secs))
+    }
+}
+
+// By hand, so that a password in `url` is masked here as in `--check-config`: a panic or a
+// log line that prints an upstream never shows it.
+impl fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Upstream")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .field("url", &mask_userinfo(&self.url))
+            .field("prefix", &self.prefix)
+            .field("policy", &self.policy)
+            .field("fallback", &self.fallback)
+            .field("keys_env", &self.keys_env)
+            .field("keys_file", &self.keys_file)
+            .finish_non_exhaustive()
     }
 }
 
@@ -1064,6 +1083,15 @@ impl Config {
                 "client_token is empty: set a token, or leave it out",
             ));
         }
+        if self.client_token.is_none() {
+            if let Some(name) = &self.client_token_env {
+                if std::env::var(name).is_ok_and(|v| !v.is_empty() && v.trim().is_empty()) {
+                    return Err(ConfigError::new(format!(
+                        "client_token_env names {name}, which holds only whitespace: set a token"
+                    )));
+                }
+            }
+        }
         let mut env_names: Vec<String> = Vec::new();
         self.redis_store()?;
         let mut prefixes = Vec::new();
@@ -1087,13 +1115,15 @@ impl Config {
                 )));
             }
             env_names.push(env);
-            let uri: http::Uri = up.url.parse().map_err(|e| {
-                ConfigError::new(format!("{at}: url {:?} is not a URL: {e}", up.url))
-            })?;
+            // The URL is not quoted: it may carry a password, and may come from an
+            // environment variable whose value no error shows.
+            let uri: http::Uri = up
+                .url
+                .parse()
+                .map_err(|e| ConfigError::new(format!("{at}: url is not a URL: {e}")))?;
             if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
                 return Err(ConfigError::new(format!(
-                    "{at}: url {:?} needs http:// or https:// and a host",
-                    up.url
+                    "{at}: url needs http:// or https:// and a host"
                 )));
             }
             if uri.query().is_some() {
@@ -1151,9 +1181,10 @@ impl Config {
             return Some(t.clone());
         }
         let name = self.client_token_env.as_ref()?;
+        // A token of only whitespace would match a header of spaces: never a token.
         std::env::var(name)
             .ok()
-            .filter(|v| !v.is_empty())
+            .filter(|v| !v.trim().is_empty())
             .map(Secret::new)
     }
 
@@ -1161,11 +1192,20 @@ impl Config {
     pub fn resolved_client_token(&self) -> Result<Option<Secret>, ConfigError> {
         if self.client_token.is_none() {
             if let Some(name) = &self.client_token_env {
-                if std::env::var(name).map_or(true, |v| v.is_empty()) {
-                    return Err(ConfigError::new(format!(
-                        "client_token_env names {name}, which is not set"
-                    )));
+                match std::env::var(name) {
+                    Ok(v) if v.is_empty() => {}
+                    Ok(v) if v.trim().is_empty() => {
+                        return Err(ConfigError::new(format!(
+                            "client_token_env names {name}, which holds only whitespace: \
+                             set a token"
+                        )))
+                    }
+                    Ok(_) => return Ok(self.client_token_source()),
+                    Err(_) => {}
                 }
+                return Err(ConfigError::new(format!(
+                    "client_token_env names {name}, which is not set"
+                )));
             }
         }
         Ok(self.client_token_source())
@@ -1230,6 +1270,21 @@ impl Config {
     pub fn http2_keep_alive(&self) -> Option<Duration> {
         (self.http2_keep_alive_secs > 0).then(|| Duration::from_secs(self.http2_keep_alive_secs))
     }
+}
+
+/// `url` with whatever comes before the last `@` of its authority shown as `***`: a
+/// `user:password@` is never shown. Anything after the scheme up to the last `@` is taken for
+/// userinfo (a password may hold a `/`), so an `@` further on is masked too, never leaked.
+pub fn mask_userinfo(url: &str) -> std::borrow::Cow<'_, str> {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    match url[start..].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]).into(),
+        None => url.into(),
+    }
+}
+
+fn serialize_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&mask_userinfo(url))
 }
 
 /// A URL without its trailing slashes, to compare upstreams by.
@@ -1380,6 +1435,34 @@ mod tests {
             .apply_env([("LLM_RETRY_PROXY_UPSTREAM_NOPE_URL".into(), "x".into())])
             .unwrap_err();
         assert!(e.to_string().contains("UPSTREAM_NOPE_URL"), "{e}");
+    }
+
+    #[test]
+    fn an_upstream_printed_for_debugging_masks_its_password() {
+        let up = Upstream::new(
+            "eu",
+            Kind::Anthropic,
+            "https://user:hunter2@gw.example.com/v1",
+        );
+        let shown = format!("{up:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("gw.example.com"), "{shown}");
+    }
+
+    #[test]
+    fn userinfo_is_masked() {
+        for (url, shown) in [
+            (
+                "https://user:pw@host.example/b",
+                "https://***@host.example/b",
+            ),
+            ("https://user@host.example", "https://***@host.example"),
+            ("https://u:p/w@host.example/b", "https://***@host.example/b"),
+            ("u:pw@host.example", "***@host.example"),
+            ("https://host.example/v1", "https://host.example/v1"),
+        ] {
+            assert_eq!(mask_userinfo(url), shown, "{url}");
+        }
     }
 
     #[test]

@@ -36,6 +36,12 @@ pub enum Reject {
     Deadline,
     /// The proxy could not get a credential for the upstream.
     Credential,
+    /// A method the proxy does not forward (`TRACE`, `CONNECT`, anything outside the
+    /// methods the APIs use).
+    MethodNotAllowed,
+    /// A path with a dot segment (`..`, `.`, plain or percent-encoded) or an encoded slash:
+    /// an upstream that normalises it would leave the configured base path.
+    BadPath,
 }
 
 impl Reject {
@@ -44,7 +50,8 @@ impl Reject {
         match self {
             Reject::NotFound => StatusCode::NOT_FOUND,
             Reject::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Reject::BodyRead | Reject::BadHeader => StatusCode::BAD_REQUEST,
+            Reject::BodyRead | Reject::BadHeader | Reject::BadPath => StatusCode::BAD_REQUEST,
+            Reject::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Reject::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Reject::Unauthorized => StatusCode::UNAUTHORIZED,
             Reject::Busy | Reject::BodyMemory | Reject::Budget => StatusCode::SERVICE_UNAVAILABLE,
@@ -68,6 +75,8 @@ impl Reject {
             Reject::Budget => "budget",
             Reject::Deadline => "deadline",
             Reject::Credential => "credential",
+            Reject::MethodNotAllowed => "method_not_allowed",
+            Reject::BadPath => "bad_path",
         }
     }
 
@@ -76,7 +85,12 @@ impl Reject {
             (Reject::NotFound, _) => "not_found_error",
             (Reject::BodyTooLarge, Kind::Anthropic) => "request_too_large",
             (
-                Reject::BodyTooLarge | Reject::BodyRead | Reject::BodyTimeout | Reject::BadHeader,
+                Reject::BodyTooLarge
+                | Reject::BodyRead
+                | Reject::BodyTimeout
+                | Reject::BadHeader
+                | Reject::MethodNotAllowed
+                | Reject::BadPath,
                 _,
             ) => "invalid_request_error",
             (Reject::Unauthorized, _) => "authentication_error",

@@ -78,7 +78,29 @@ pub fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
                 .eq_ignore_ascii_case(b"bearer")
                 .then(|| rest.trim_ascii())
         });
-    direct.chain(bearer)
+    // A blank credential is never a token, whatever the configured one: a check that
+    // compared it could only ever be fooled by a blank token.
+    direct
+        .chain(bearer)
+        .filter(|t| !t.iter().all(u8::is_ascii_whitespace))
+}
+
+/// Refuses a request path an upstream could read as leaving the configured base path: a
+/// `.` or `..` segment, written plainly or percent-encoded in any case (`%2e%2E`), an encoded
+/// slash or backslash (`%2f`, `%5c`), or a backslash. Forwarded raw, an upstream that
+/// normalises paths would resolve them.
+pub fn check_path(path: &str) -> Result<(), &'static str> {
+    let lower = path.to_ascii_lowercase();
+    if lower.contains("%2f") || lower.contains("%5c") || path.contains('\\') {
+        return Err("the path has an encoded slash or a backslash");
+    }
+    for segment in lower.split('/') {
+        let decoded = segment.replace("%2e", ".");
+        if decoded == "." || decoded == ".." {
+            return Err("the path has a dot segment (. or ..)");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -113,6 +135,28 @@ mod tests {
     }
 
     #[test]
+    fn dot_segments_and_encoded_slashes() {
+        for ok in ["/v1/messages", "/v1/models/a.b", "/v1/x..y", "/v1/...", "/"] {
+            assert_eq!(check_path(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "/v1/../admin",
+            "/v1/..",
+            "/v1/./messages",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E%2e/admin",
+            "/v1/.%2E/admin",
+            "/v1/%2e/messages",
+            "/v1/a%2fb",
+            "/v1/a%2Fb",
+            "/v1/a%5cb",
+            "/v1/a\\b",
+        ] {
+            assert!(check_path(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn tokens() {
         let mut h = HeaderMap::new();
         h.insert("authorization", HeaderValue::from_static("Bearer  tok-1 "));
@@ -122,5 +166,13 @@ mod tests {
         );
         h.insert("x-api-key", HeaderValue::from_static("tok-2"));
         assert_eq!(presented_tokens(&h).count(), 2);
+        // Blank credentials are never presented, from any header.
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("   "));
+        h.append("x-api-key", HeaderValue::from_static(""));
+        h.insert("x-llm-retry-token", HeaderValue::from_static(" \t "));
+        h.insert("authorization", HeaderValue::from_static("Bearer    "));
+        h.append("authorization", HeaderValue::from_static("Bearer \t"));
+        assert_eq!(presented_tokens(&h).count(), 0);
     }
 }

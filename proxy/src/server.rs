@@ -62,6 +62,20 @@ const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// has `body_timeout_secs`).
 const BODY_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The methods the proxy forwards; any other is refused with 405.
+const FORWARDED_METHODS: [Method; 7] = [
+    Method::GET,
+    Method::POST,
+    Method::PUT,
+    Method::PATCH,
+    Method::DELETE,
+    Method::HEAD,
+    Method::OPTIONS,
+];
+
+/// The `Allow` header of a 405: [`FORWARDED_METHODS`].
+const ALLOW: &str = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS";
+
 /// A configured proxy, ready to serve.
 #[derive(Clone, Debug)]
 pub struct Proxy {
@@ -488,6 +502,23 @@ impl State {
             }
             _ => {}
         }
+        // TRACE would echo the request, held key included, back to the client; CONNECT would
+        // make the proxy a tunnel. Only the methods the APIs use are forwarded.
+        if !FORWARDED_METHODS.contains(req.method()) {
+            let kind = self.routes.guess_kind(req.uri(), req.headers());
+            let mut res = self.reject(
+                kind,
+                Reject::MethodNotAllowed,
+                "this proxy forwards GET, POST, PUT, PATCH, DELETE, HEAD and OPTIONS only",
+            );
+            res.headers_mut()
+                .insert(http::header::ALLOW, HeaderValue::from_static(ALLOW));
+            return res;
+        }
+        if let Err(why) = forward::check_path(req.uri().path()) {
+            let kind = self.routes.guess_kind(req.uri(), req.headers());
+            return self.reject(kind, Reject::BadPath, why);
+        }
         let Some(route) = self.routes.resolve(req.uri(), req.headers()) else {
             let kind = self.routes.guess_kind(req.uri(), req.headers());
             let path: String = req.uri().path().chars().take(200).collect();
@@ -710,6 +741,75 @@ impl State {
         match stack.oneshot(upstream_req).await {
             Ok(res) => {
                 let (mut head, body) = res.into_parts();
+                // A 1xx as the final answer: hyper consumes the interim ones (100, 103), and
+                // the request asked for no upgrade (`upgrade` is not forwarded), so a 101 or
+                // any other is a protocol the client did not ask for. Passed on, it would end
+                // the client's connection.
+                if head.status.is_informational() {
+                    tracing::warn!(
+                        method = %gone.method,
+                        upstream = %up.name,
+                        path = %gone.path,
+                        status = head.status.as_u16(),
+                        "upstream answered with an informational status as its final answer"
+                    );
+                    self.metrics
+                        .request(&up.name, Reject::Upstream.status().as_u16());
+                    return self.reject(
+                        kind,
+                        Reject::Upstream,
+                        &format!(
+                            "upstream {:?} answered {} to a request that asked for no upgrade",
+                            up.name,
+                            head.status.as_u16()
+                        ),
+                    );
+                }
+                // An answer that is not a stream waits for its first frame before its head
+                // goes out: a body that fails before any byte (broken chunked framing, a cut)
+                // is then the proxy's 502, which the client can read, not a 200 that ends in
+                // a bare close. A stream's head goes out at once; its failure is the
+                // protocol's error event.
+                let body = if is_event_stream(&head.headers) {
+                    body
+                } else {
+                    let mut body = body;
+                    match body.frame().await {
+                        Some(Err(e)) => {
+                            tracing::warn!(
+                                method = %gone.method,
+                                upstream = %up.name,
+                                path = %gone.path,
+                                status = head.status.as_u16(),
+                                error = %e,
+                                "upstream answer failed before its first body byte"
+                            );
+                            self.metrics
+                                .request(&up.name, Reject::Upstream.status().as_u16());
+                            return self.reject(
+                                kind,
+                                Reject::Upstream,
+                                &format!(
+                                    "upstream {:?} answered {} and its body failed before \
+                                     its first byte",
+                                    up.name,
+                                    head.status.as_u16()
+                                ),
+                            );
+                        }
+                        first => Peeked {
+                            first: first.and_then(Result::ok),
+                            rest: body,
+                        }
+                        .boxed_unsync(),
+                    }
+                };
+                // Chunked framing wins over a Content-Length (RFC 9112 §6.3): the length the
+                // upstream stated is not the body's, and passed on it would cut the body
+                // short and mark it complete.
+                if head.headers.contains_key(http::header::TRANSFER_ENCODING) {
+                    head.headers.remove(CONTENT_LENGTH);
+                }
                 let trail = head.extensions.get::<RetryTrail>();
                 let attempts = trail.map_or(1, |t| t.total_attempts().max(1));
                 let gave_up = trail.and_then(RetryTrail::gave_up);
@@ -897,6 +997,51 @@ impl State {
             ok |= digest.ct_eq(expected);
         }
         ok.into()
+    }
+}
+
+/// A body whose first frame was read ahead: that frame, then the rest.
+struct Peeked<B> {
+    first: Option<http_body::Frame<Bytes>>,
+    rest: B,
+}
+
+impl<B> Body for Peeked<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
+        if let Some(f) = self.first.take() {
+            return std::task::Poll::Ready(Some(Ok(f)));
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = self.rest.size_hint();
+        if let Some(n) = self
+            .first
+            .as_ref()
+            .and_then(|f| f.data_ref())
+            .map(|d| d.len() as u64)
+        {
+            // The upper bound first: a lower bound above the old upper one would panic.
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper.saturating_add(n));
+            }
+            hint.set_lower(hint.lower().saturating_add(n));
+        }
+        hint
     }
 }
 

@@ -311,8 +311,8 @@ impl Route {
     fn new(peer: &Peer) -> Result<Self, ConfigError> {
         let bad = || {
             ConfigError::from_message(format!(
-                "[[upstream]] {:?}: url {:?} is not a URL with a scheme and host",
-                peer.upstream.name, peer.upstream.url
+                "[[upstream]] {:?}: url is not a URL with a scheme and host",
+                peer.upstream.name
             ))
         };
         let uri: Uri = peer.upstream.url.parse().map_err(|_| bad())?;
@@ -403,7 +403,10 @@ fn build(
                     route.prefix
                 )));
             };
-            target = target.upstream(&base).map_err(|e| at(&e))?;
+            // The library's error quotes the URL, which may carry a password: not passed on.
+            target = target
+                .upstream(&base)
+                .map_err(|_| at(&format!("upstream {name:?}'s url is not a base URL")))?;
             if let Some(pool) = &peer.pool {
                 target = target.credential(pool.clone());
             }

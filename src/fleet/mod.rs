@@ -84,7 +84,7 @@
 //! | pacing: on a success | +0.05 requests/s, only while someone waits in line | [`PacingConfig::growth`] |
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
-//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds; with all in use, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope; the fleet's read-outs sum or report over its scopes | [`FleetBuilder::per_scope`], [`FleetBuilder::scope_key`] (what names a scope), [`FleetBuilder::max_scopes`] |
+//! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds whose gate is open; with all in use or closed, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope; the fleet's read-outs sum or report over its scopes | [`FleetBuilder::per_scope`], [`FleetBuilder::scope_key`] (what names a scope), [`FleetBuilder::max_scopes`] |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -387,9 +387,10 @@ impl FleetBuilder {
     /// (foldhash, not a cryptographic hash: the credential is never stored) and one map
     /// lookup under a read lock; only the first request of a scope allocates. The map holds
     /// at most [`max_scopes`](Self::max_scopes) scopes. A new scope past the bound takes
-    /// the place of the oldest that no request holds at that moment (what it learnt is forgotten,
-    /// what it counted stays in the fleet's sums), so credentials that
-    /// rotate do not fill it for good; when all are in use, its requests share the fleet's
+    /// the place of the oldest that no request holds at that moment and whose gate is open
+    /// (what it learnt is forgotten, what it counted stays in the fleet's sums; a closed gate
+    /// is never forgotten this way), so credentials that
+    /// rotate do not fill it for good; when all are in use or closed, its requests share the fleet's
     /// own state (one budget, gate and pace for all of them, as with `per_scope(false)`).
     /// A flood of distinct credentials costs a bounded amount of memory (about 4,096 small
     /// states by default).
@@ -437,7 +438,8 @@ impl FleetBuilder {
     }
 
     /// The most scopes the fleet keeps apart (at least 1); past it, a new scope takes the
-    /// place of one no request holds (see [`per_scope`](Self::per_scope)). Defaults to 4,096.
+    /// place of one no request holds and whose gate is open (see
+    /// [`per_scope`](Self::per_scope)). Defaults to 4,096.
     pub fn max_scopes(mut self, max: usize) -> Self {
         self.max_scopes = max.max(1);
         self

@@ -226,12 +226,17 @@ impl Scopes {
             // start from anyway, less what it learnt), so rotating credentials (hourly bearer
             // tokens) do not fill the map for good. The oldest first; one in use goes to the
             // back (a second chance), so the scopes of long requests are not looked at again
-            // and again. With every scope in use, the request shares the fleet's own state.
+            // and again. A scope whose gate is closed is kept as one in use is: dropping it
+            // would forget the cooldown, and made-up credentials could then open a tenant's
+            // gate at will. With every scope in use or closed, the request shares the fleet's
+            // own state.
             let mut dropped = None;
             for _ in 0..order.len() {
                 let Some(k) = order.pop_front() else { break };
                 match map.get(&k) {
-                    Some(f) if Arc::strong_count(&f.inner) > 1 => order.push_back(k),
+                    Some(f) if Arc::strong_count(&f.inner) > 1 || f.closed_until().is_some() => {
+                        order.push_back(k)
+                    }
                     Some(_) => {
                         dropped = map.remove(&k);
                         break;
@@ -472,6 +477,33 @@ mod tests {
         assert!(!e.ptr_eq(&fleet));
         assert!(fleet.scope_for(&key("c")).ptr_eq(&c));
         assert_eq!(fleet.scopes().len(), 2);
+    }
+
+    /// A scope whose gate is closed is not dropped to make room, however many new scopes
+    /// come: its cooldown holds until the gate opens, and then it may go.
+    #[tokio::test(start_paused = true)]
+    async fn a_scope_with_a_closed_gate_is_kept() {
+        let fleet = Fleet::builder().max_scopes(2).build();
+        let a = fleet.scope_for(&req("https://api.example.com/", "a"));
+        let until = a.gate().unwrap().close(
+            tokio::time::Instant::now(),
+            std::time::Duration::from_secs(30),
+        );
+        assert!(until.is_some());
+        drop(a);
+        for i in 0..8 {
+            drop(fleet.scope_for(&req("https://api.example.com/", &format!("made-up-{i}"))));
+        }
+        assert_eq!(fleet.scopes().len(), 2);
+        let a = fleet.scope_for(&req("https://api.example.com/", "a"));
+        assert!(a.closed_until().is_some());
+        drop(a);
+        // Open again: the next new scope may take its place.
+        tokio::time::advance(std::time::Duration::from_secs(31)).await;
+        drop(fleet.scope_for(&req("https://api.example.com/", "made-up-x")));
+        drop(fleet.scope_for(&req("https://api.example.com/", "made-up-y")));
+        let a = fleet.scope_for(&req("https://api.example.com/", "a"));
+        assert_eq!(a.closed_until(), None);
     }
 
     /// Past the bound, a scope no request holds makes room, and what it counted stays in the

@@ -303,7 +303,7 @@ async fn respond_to(
     }
 
     let (full, events, end) = match reply.payload {
-        Payload::Reset => {
+        Payload::Reset | Payload::Raw(_) => {
             // `respond` is kept: dropping it would have h2 reset the stream
             // before the connection goes.
             control.abort();

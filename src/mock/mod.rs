@@ -28,6 +28,7 @@
 //! | [`Reply::reset_stream_after_head`] | head, then `RST_STREAM` `INTERNAL_ERROR` | head, then connection aborted |
 //! | [`Reply::sse_then_reset_stream`] | events, then `RST_STREAM` `INTERNAL_ERROR` | events, then connection aborted |
 //! | [`Reply::reset`], [`Reply::reset_mid_body`], [`Reply::sse_then_reset`] | the whole connection dropped, every stream on it failing | connection aborted |
+//! | [`Reply::raw`] | the whole connection dropped, as [`Reply::reset`] | the given bytes as the whole answer, however malformed, then the connection closed |
 //!
 //! TLS uses `rustls` with the `ring` provider, named explicitly, so it
 //! needs no process-wide default provider.

@@ -309,6 +309,8 @@ pub(super) enum Payload {
     RefusedStream,
     /// HTTP/2: `GOAWAY` whose last-stream-id is just below this stream.
     GoAway,
+    /// HTTP/1.1: these bytes as the whole response, then the connection closes.
+    Raw(Bytes),
 }
 
 impl Payload {
@@ -499,6 +501,19 @@ impl Reply {
     pub fn reset() -> Self {
         Self {
             payload: Payload::Reset,
+            ..Self::status(200)
+        }
+    }
+
+    /// Reads the request, writes `bytes` as the whole response (head, framing
+    /// and body, exactly as given, however malformed), then closes the
+    /// connection: for what no well-behaved server sends, such as a head with
+    /// both `Transfer-Encoding: chunked` and `Content-Length`, a `101` nobody
+    /// asked for, or broken chunked framing. The status and headers of the
+    /// reply are not used. On HTTP/2 the same as [`Reply::reset`].
+    pub fn raw(bytes: impl Into<Bytes>) -> Self {
+        Self {
+            payload: Payload::Raw(bytes.into()),
             ..Self::status(200)
         }
     }

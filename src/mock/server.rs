@@ -430,7 +430,8 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, settings: &Settings) -> i
     if http2 {
         super::http2::serve(io, shared).await;
     } else {
-        let service = service_fn(move |req| handle(shared.clone(), req));
+        let raw = io.raw.clone();
+        let service = service_fn(move |req| handle(shared.clone(), req, raw.clone()));
         http1::Builder::new()
             .serve_connection(TokioIo::new(io), service)
             .await
@@ -449,7 +450,15 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 pub(super) struct Rewind {
     prefix: Bytes,
     inner: Box<dyn Io>,
+    /// A [`Reply::raw`] the service chose: written in place of hyper's response.
+    raw: RawSlot,
+    /// What is left to write of the raw reply; once it is set, every write of hyper's is
+    /// dropped and reads see the end, so the connection closes after the raw bytes.
+    raw_out: Option<Bytes>,
 }
+
+/// Where the service leaves a raw reply for its connection to write.
+type RawSlot = Arc<Mutex<Option<Bytes>>>;
 
 /// What an HTTP/2 client sends first (RFC 9113, section 3.4).
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -459,6 +468,8 @@ impl Rewind {
         Self {
             prefix: Bytes::new(),
             inner,
+            raw: RawSlot::default(),
+            raw_out: None,
         }
     }
 
@@ -488,6 +499,10 @@ impl AsyncRead for Rewind {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.raw_out.is_some() {
+            // After a raw reply: the end, so hyper closes the connection.
+            return Poll::Ready(Ok(()));
+        }
         if self.prefix.is_empty() {
             return Pin::new(&mut self.inner).poll_read(cx, buf);
         }
@@ -503,7 +518,27 @@ impl AsyncWrite for Rewind {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let this = &mut *self;
+        if this.raw_out.is_none() {
+            let pending = this
+                .raw
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            this.raw_out = pending;
+        }
+        let Some(out) = &mut this.raw_out else {
+            return Pin::new(&mut this.inner).poll_write(cx, buf);
+        };
+        // The raw reply goes out in place of hyper's response, which is dropped.
+        while !out.is_empty() {
+            let n = ready!(Pin::new(&mut this.inner).poll_write(cx, out))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            let _ = out.split_to(n);
+        }
+        Poll::Ready(Ok(buf.len()))
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -515,7 +550,11 @@ impl AsyncWrite for Rewind {
     }
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Response<MockBody>> {
+async fn handle(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    raw: RawSlot,
+) -> io::Result<Response<MockBody>> {
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map_err(io::Error::other)?.to_bytes();
     let path = parts.uri.path().to_owned();
@@ -544,6 +583,11 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
             ))
         }
         Payload::Stall => return future::pending().await,
+        // Written by the connection in place of the empty response hyper sends.
+        Payload::Raw(bytes) => {
+            *raw.lock().unwrap_or_else(PoisonError::into_inner) = Some(bytes);
+            return Ok(Response::new(MockBody::full(Bytes::new())));
+        }
         Payload::Full(bytes) => MockBody::full(bytes),
         Payload::Success => MockBody::full(success_body(&path, &body, index)),
         Payload::Stream { events, end } => MockBody::stream(events, end),

@@ -12,6 +12,7 @@ mod failover;
 mod failover_faults;
 mod forwarding;
 mod ops;
+mod protocol;
 mod replicas;
 mod resume;
 mod retries;

@@ -149,3 +149,128 @@ fn check_config_prints_the_resolved_config_masked() {
     assert!(stderr.contains("ca_file"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_password_in_an_upstream_url_is_masked_and_never_quoted() {
+    let dir = std::env::temp_dir().join(format!("llm-retry-proxy-userinfo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("userinfo.toml");
+    std::fs::write(
+        &file,
+        "[[upstream]]\nname = \"a\"\nurl = \"https://user:pw-SECRET@api.example.com/base\"\n\
+         [[upstream]]\nname = \"b\"\nkind = \"openai\"\nurl = \"https://b.example.com\"\n",
+    )
+    .unwrap();
+    let check = |envs: &[(&str, &str)]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"));
+        cmd.args(["--check-config", "--config"]).arg(&file);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // From the file, and from the environment: shown as `***@`.
+    let (code, stdout, stderr) = check(&[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("url = \"https://***@api.example.com/base\""),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("SECRET") && !stdout.contains("user:"),
+        "{stdout}"
+    );
+    let (code, stdout, stderr) = check(&[(
+        "LLM_RETRY_PROXY_UPSTREAM_B_URL",
+        "https://env-user:env-pw-SECRET@env.example.com",
+    )]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("url = \"https://***@env.example.com\""),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("SECRET"), "{stdout}");
+    // An invalid URL from the environment, whatever is wrong with it: the error names the
+    // upstream and the key, never the value.
+    for bad in [
+        "https://u:pw-SECRET@ho st/",
+        "ftp://u:pw-SECRET@h.example.com",
+        "u:pw-SECRET",
+        "https://u:pw-SECRET@h.example.com/?q=1",
+    ] {
+        let (code, stdout, stderr) = check(&[("LLM_RETRY_PROXY_UPSTREAM_B_URL", bad)]);
+        assert_eq!(code, Some(2), "{bad}: {stdout} {stderr}");
+        assert!(
+            stderr.contains("\"b\"") && stderr.contains("url"),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("SECRET") && !stderr.contains("pw-"),
+            "{stderr}"
+        );
+    }
+    // Any other variable's bad value is not quoted either.
+    for (name, value) in [
+        ("LLM_RETRY_PROXY_MAX_BODY_BYTES", "12-SECRET"),
+        ("LLM_RETRY_PROXY_UPSTREAM_A_POLICY", "SECRET"),
+        ("LLM_RETRY_PROXY_LISTEN", "SECRET:1"),
+        ("LLM_RETRY_PROXY_NO_SUCH", "SECRET"),
+    ] {
+        let (code, _, stderr) = check(&[(name, value)]);
+        assert_eq!(code, Some(2), "{name}: {stderr}");
+        assert!(
+            stderr.contains(name) && !stderr.contains("SECRET"),
+            "{stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A client token of only whitespace is refused from every source: inline, the
+/// `LLM_RETRY_PROXY_CLIENT_TOKEN` override, and the variable `client_token_env` names.
+#[test]
+fn a_blank_client_token_is_refused_from_every_source() {
+    let dir =
+        std::env::temp_dir().join(format!("llm-retry-proxy-blank-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |toml: &str, envs: &[(&str, &str)]| {
+        let file = dir.join("blank.toml");
+        std::fs::write(&file, toml).unwrap();
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"));
+        cmd.args(["--check-config", "--config"]).arg(&file);
+        cmd.env("SOME_KEYS", "sk-held");
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let holds = "[[upstream]]\nname = \"a\"\nkeys_env = \"SOME_KEYS\"\n";
+    for blank in [" ", "   ", "\t", " \t  "] {
+        let inline = format!("client_token = {blank:?}\n{holds}");
+        let (code, stderr) = run(&inline, &[]);
+        assert_eq!(code, Some(2), "inline {blank:?}: {stderr}");
+        let (code, stderr) = run(holds, &[("LLM_RETRY_PROXY_CLIENT_TOKEN", blank)]);
+        assert_eq!(code, Some(2), "override {blank:?}: {stderr}");
+        let named = format!("client_token_env = \"THE_TOKEN\"\n{holds}");
+        let (code, stderr) = run(&named, &[("THE_TOKEN", blank)]);
+        assert_eq!(code, Some(2), "client_token_env {blank:?}: {stderr}");
+        assert!(
+            stderr.contains("THE_TOKEN") && stderr.contains("whitespace"),
+            "{stderr}"
+        );
+    }
+    // A token with spaces around it is a token.
+    let named = format!("client_token_env = \"THE_TOKEN\"\n{holds}");
+    let (code, stderr) = run(&named, &[("THE_TOKEN", " tok ")]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

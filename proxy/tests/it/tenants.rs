@@ -198,3 +198,104 @@ async fn the_gate_metric_counts_only_the_closings_the_fleet_made() {
     );
     assert!(started.elapsed() >= Duration::from_secs(4));
 }
+
+/// A proxy whose `client_token_env` holds only spaces does not start; one with a real token
+/// refuses a credential of only spaces in every header it reads, over HTTP/1.1 and h2c, and
+/// sends nothing upstream.
+#[tokio::test(start_paused = true)]
+async fn a_blank_token_is_never_a_token_over_h1_or_h2c() {
+    let file = keys_file("blank-keys", "sk-held-1\n");
+    let var = format!("LLM_RETRY_PROXY_TEST_BLANK_{}", std::process::id());
+    std::env::set_var(&var, "    ");
+    let mock = tower_llm_retry::mock::MockServer::start(Script::always(Reply::success()))
+        .await
+        .unwrap();
+    let mut config = config_for(&mock);
+    config.client_token_env = Some(var.clone());
+    config.upstream[0].keys_file = Some(file.clone());
+    let e = tower_llm_retry_proxy::Proxy::new(config)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&var) && e.contains("whitespace"), "{e}");
+    std::env::remove_var(&var);
+
+    let f = file.clone();
+    let h = start_with(Script::always(Reply::success()), move |c| {
+        c.client_token = Some(Secret::new("the-token"));
+        c.upstream[0].keys_file = Some(f.clone());
+        c.upstream[1].keys_file = Some(f);
+    })
+    .await;
+    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+    tcp.set_nodelay(true);
+    let h2c: HttpClient =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build(tcp);
+    for (name, client) in [("h1", &h.client), ("h2c", &h2c)] {
+        for (header, value) in [
+            ("x-api-key", "   "),
+            ("x-api-key", ""),
+            ("authorization", "Bearer    "),
+            ("authorization", "Bearer"),
+            ("x-llm-retry-token", " \t "),
+        ] {
+            let req = Request::post(h.url("/v1/messages"))
+                .header("content-type", "application/json")
+                .header(header, value)
+                .body(Full::from(MESSAGES))
+                .unwrap();
+            let res = client.request(req).await.unwrap();
+            assert_eq!(res.status(), 401, "{name} {header}: {value:?}");
+            if name == "h2c" {
+                assert_eq!(res.version(), http::Version::HTTP_2);
+            }
+        }
+    }
+    assert_eq!(h.mock.request_count(), 0);
+    // The token itself, over both.
+    for client in [&h.client, &h2c] {
+        let req = Request::post(h.url("/v1/messages"))
+            .header("x-llm-retry-token", "the-token")
+            .body(Full::from(MESSAGES))
+            .unwrap();
+        assert_eq!(client.request(req).await.unwrap().status(), 200);
+    }
+    let _ = std::fs::remove_file(&file);
+}
+
+/// A flood of made-up credentials, twice as many as the tenants kept, does not push out a
+/// tenant whose gate a 429 closed: its next request still waits for the gate.
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_made_up_credentials_does_not_open_a_tenants_gate() {
+    let limited = Arc::new(AtomicBool::new(false));
+    let script = Script::new().when(move |req| {
+        let a = req.headers.get("x-api-key").is_some_and(|k| k == "sk-A");
+        (a && !limited.swap(true, Ordering::SeqCst)).then(|| Reply::rate_limited("30"))
+    });
+    let max_tenants = 4;
+    let h = start_with(script, |c| c.max_tenants = max_tenants).await;
+    // A's 429 closes A's gate for 30 s; A's client, retries off, gets it at once.
+    let req = Request::post(h.url("/v1/messages"))
+        .header("anthropic-version", "2023-06-01")
+        .header("x-api-key", "sk-A")
+        .header("x-llm-retry", "off")
+        .body(Full::from(MESSAGES))
+        .unwrap();
+    assert_eq!(h.send(req).await.status(), 429);
+    let flood: Vec<&'static str> = (0..2 * max_tenants)
+        .map(|i| &*Box::leak(format!("sk-made-up-{i}").into_boxed_str()))
+        .collect();
+    for key in &flood {
+        assert_eq!(h.send(from(key, &h)).await.status(), 200, "{key}");
+    }
+    assert!(h.proxy.tenant_count() <= max_tenants);
+    // A's next request waits at A's gate, as it would have without the flood.
+    assert_eq!(h.send(from("sk-A", &h)).await.status(), 200);
+    let seen = h.mock.requests();
+    assert_eq!(seen.len(), 2 + flood.len());
+    let last = seen.last().unwrap();
+    assert_eq!(last.headers["x-api-key"], "sk-A");
+    let waited = last.received_at - seen[0].received_at;
+    assert!(waited >= Duration::from_secs(30), "{waited:?}");
+}
