@@ -381,6 +381,53 @@ mod tests {
         assert!(pool.credential().await.is_ok());
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_quarantine_doubles_to_its_cap_and_starts_over_after_a_clean_cap() {
+        let pool = ApiKeyPool::new(["a", "b"])
+            .unwrap()
+            .quarantine(Duration::from_secs(10), Duration::from_secs(30));
+        let a = pool.credential().await.unwrap();
+        let mut served = Vec::new();
+        for _ in 0..4 {
+            assert!(pool.invalidate(&a));
+            // A second 401 while it is aside (a concurrent request) adds nothing.
+            assert!(pool.invalidate(&a));
+            let start = Instant::now();
+            while key(&pool).await != 0 {
+                tokio::time::advance(Duration::from_secs(1)).await;
+            }
+            served.push(start.elapsed().as_secs());
+        }
+        assert_eq!(served, [10, 20, 30, 30]);
+        // A whole cap without a 401: the next quarantine is the first one again.
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(pool.invalidate(&a));
+        let start = Instant::now();
+        while key(&pool).await != 0 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        assert_eq!(start.elapsed().as_secs(), 10);
+    }
+
+    #[test]
+    fn request_scoped_headers_are_named_by_the_pool() {
+        let pool = ApiKeyPool::new(["a", "b"]).unwrap();
+        let mut h = HeaderMap::new();
+        assert!(!pool.blames_request(&h));
+        h.insert("anthropic-version", "2023-06-01".parse().unwrap());
+        assert!(!pool.blames_request(&h));
+        for name in ["openai-organization", "openai-project", "anthropic-beta"] {
+            let mut h = h.clone();
+            h.insert(name, "x".parse().unwrap());
+            assert!(pool.blames_request(&h), "{name}");
+        }
+        h.insert("openai-organization", "org".parse().unwrap());
+        let none = ApiKeyPool::new(["a"])
+            .unwrap()
+            .request_scoped_headers(std::iter::empty());
+        assert!(!none.blames_request(&h));
+    }
+
     #[test]
     fn single_key_and_empty_pools() {
         assert!(!ApiKeyPool::new(["a"]).unwrap().rotates());
