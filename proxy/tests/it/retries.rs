@@ -345,7 +345,8 @@ async fn sdk_retries_draw_on_the_tenants_budget() {
 /// `401`, the client gets it, and no held key leaves the rotation.
 #[tokio::test(start_paused = true)]
 async fn a_401_caused_by_a_client_header_takes_no_held_key_out_of_rotation() {
-    const VAR: &str = "LLM_RETRY_PROXY_TEST_KEYS_CLIENT_401";
+    // Not named LLM_RETRY_PROXY_*: the proxies other tests start refuse unknown settings.
+    const VAR: &str = "HELD_KEYS_FOR_A_CLIENT_401_TEST";
     std::env::set_var(VAR, "sk-a\nsk-b\nsk-c\n");
     let script = Script::new().when(|req| {
         req.headers
@@ -384,7 +385,7 @@ async fn a_401_caused_by_a_client_header_takes_no_held_key_out_of_rotation() {
 /// quarantine (1 min at first) is over.
 #[tokio::test(start_paused = true)]
 async fn a_revoked_held_key_is_set_aside_and_tried_again_after_its_quarantine() {
-    const VAR: &str = "LLM_RETRY_PROXY_TEST_KEYS_REVOKED";
+    const VAR: &str = "HELD_KEYS_FOR_A_REVOKED_KEY_TEST";
     std::env::set_var(VAR, "sk-revoked\nsk-good\n");
     let h = start_with(
         Script::new().require_header("x-api-key", ["sk-good"]),
