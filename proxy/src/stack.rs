@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
 use http::Uri;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -107,6 +107,17 @@ pub fn client(up: &Upstream) -> Result<HttpClient, ConfigError> {
     Ok(Client::builder(TokioExecutor::new()).build(https))
 }
 
+/// The client headers, forwarded as they are, that can make the upstream answer `401` to a
+/// held key that is good: an organization or project the key does not belong to, a beta the
+/// account is not enrolled in, and Azure's `api-key` (a credential of the client's own,
+/// forwarded). A `401` to a request carrying one sets no held key aside.
+const REQUEST_SCOPED: [&str; 4] = [
+    "openai-organization",
+    "openai-project",
+    "anthropic-beta",
+    "api-key",
+];
+
 /// What one upstream lends every stack that sends to it, its own and those whose fallback
 /// chain names it: its HTTP client (its TLS roots, its connection pool) and the keys the
 /// proxy holds for it.
@@ -146,12 +157,16 @@ impl Peer {
                     Kind::Anthropic => CredentialHeader::x_api_key(),
                     Kind::OpenAi => CredentialHeader::Bearer,
                 };
-                let pool = ApiKeyPool::with_header(keys, header).map_err(|e| {
-                    ConfigError::from_message(format!(
-                        "[[upstream]] {:?}: a key is not usable: {e}",
-                        upstream.name
-                    ))
-                })?;
+                let pool = ApiKeyPool::with_header(keys, header)
+                    .map_err(|e| {
+                        ConfigError::from_message(format!(
+                            "[[upstream]] {:?}: a key is not usable: {e}",
+                            upstream.name
+                        ))
+                    })?
+                    .request_scoped_headers(
+                        REQUEST_SCOPED.iter().map(|h| HeaderName::from_static(h)),
+                    );
                 Some(Arc::new(pool))
             }
         };

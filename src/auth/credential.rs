@@ -261,6 +261,16 @@ pub trait TokenSource: Send + Sync + 'static {
         false
     }
 
+    /// Whether a `401` to a request with these headers may be the request's doing rather
+    /// than the credential's (a header naming an organization the credential does not belong
+    /// to, say). When it is, such a `401` goes back as it is: the source is not told
+    /// ([`invalidate`](Self::invalidate) is not called) and nothing is re-sent. Defaults to
+    /// false: every `401` is the credential's.
+    fn blames_request(&self, request: &HeaderMap) -> bool {
+        let _ = request;
+        false
+    }
+
     /// Whether this source holds several credentials to move between on rate limits. When it
     /// does, the start of a `429` body is read to tell a rate limit from an exhausted quota.
     /// Defaults to false.
@@ -284,6 +294,9 @@ impl<T: TokenSource + ?Sized> TokenSource for Arc<T> {
     }
     fn invalidate(&self, rejected: &Credential) -> bool {
         (**self).invalidate(rejected)
+    }
+    fn blames_request(&self, request: &HeaderMap) -> bool {
+        (**self).blames_request(request)
     }
     fn rotates(&self) -> bool {
         (**self).rotates()

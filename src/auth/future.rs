@@ -62,6 +62,8 @@ struct Keys {
     credential: Option<Credential>,
     refreshed: bool,
     rotations: u32,
+    /// The request carried a header that can itself cause a `401`.
+    request_scoped: bool,
 }
 
 impl Keys {
@@ -75,6 +77,7 @@ impl Keys {
     where
         S: Service<Request<ReplayBody>>,
     {
+        self.request_scoped = self.config.source.blames_request(req.headers());
         credential.apply(req.headers_mut());
         self.credential = Some(credential);
         service.call(req)
@@ -103,6 +106,13 @@ impl Keys {
             return;
         };
         match res.status() {
+            // Maybe the request's doing, not the key's: the key is judged on another request.
+            StatusCode::UNAUTHORIZED if self.request_scoped => {
+                tracing::info!(
+                    key_index = credential.key_index(),
+                    "401 to a request carrying a header that can cause it; no key set aside"
+                );
+            }
             StatusCode::UNAUTHORIZED => {
                 let fresh = self.config.source.invalidate(&credential);
                 if let (true, false, Some(link)) = (fresh, self.refreshed, &self.link) {
@@ -152,6 +162,7 @@ where
             credential: None,
             refreshed,
             rotations,
+            request_scoped: false,
         };
         let mut fetch = keys.config.source.credential();
         let kind = match fetch.try_ready() {
@@ -202,6 +213,7 @@ where
                             credential: None,
                             refreshed: false,
                             rotations: 0,
+                            request_scoped: false,
                         },
                     );
                     // The service was polled ready before `call`, and nothing else used it.

@@ -10,6 +10,12 @@
 //!   still the current one, then fetches a fresh one and re-sends the very same bytes, once.
 //!   A second `401` is returned as it is. With [`RefreshingToken`] the refresh is
 //!   single-flight: a thousand concurrent `401`s cause one call of the refresh function.
+//! - **`401` with a key pool**: the key is set aside for a quarantine (1 min, doubling each
+//!   time it is answered `401` again on its return, at most 1 h;
+//!   [`quarantine`](ApiKeyPool::quarantine)), then tried again. A `401` to a request carrying
+//!   a header that can cause it whatever the key (`openai-organization`, `openai-project`,
+//!   `anthropic-beta`; [`request_scoped_headers`](ApiKeyPool::request_scoped_headers)) sets
+//!   no key aside and is returned as it is: the key is judged on a request without one.
 //! - **`429` with a key pool**: when the body shows a rate limit (not an exhausted quota),
 //!   the key rests for the `Retry-After` and the request is re-sent at once with the next
 //!   usable key of the [`ApiKeyPool`]. When every key rests, the `429` goes back up, and
@@ -31,7 +37,7 @@
 //! | source | what it does | defaults |
 //! |---|---|---|
 //! | [`ApiKey::new(key)`](ApiKey::new), [`ApiKey::with_header(key, CredentialHeader::Bearer)`](ApiKey::with_header) | one static key, as `x-api-key` or `authorization: Bearer …`; a `401` is returned as it is | — |
-//! | [`ApiKeyPool::new([k1, k2, …])`](ApiKeyPool::new) | keys in turn; on a rate-limit `429` (not an exhausted quota) the key rests for the `Retry-After` and the request is re-sent at once with the next usable key; when every key rests, the `429` goes to `RetryLayer`'s ordinary backoff | a rest without `Retry-After`: 5 s ([`default_rest`](ApiKeyPool::default_rest)); at most a day |
+//! | [`ApiKeyPool::new([k1, k2, …])`](ApiKeyPool::new) | keys in turn; on a rate-limit `429` (not an exhausted quota) the key rests for the `Retry-After` and the request is re-sent at once with the next usable key; when every key rests, the `429` goes to `RetryLayer`'s ordinary backoff | a rest without `Retry-After`: 5 s ([`default_rest`](ApiKeyPool::default_rest)); at most a day; a key answered `401`: 1 min doubling to 1 h ([`quarantine`](ApiKeyPool::quarantine)); no key set aside for a `401` to a request with `openai-organization`, `openai-project` or `anthropic-beta` ([`request_scoped_headers`](ApiKeyPool::request_scoped_headers)) |
 //! | [`RefreshingToken::new(async closure)`](RefreshingToken::new) | a token fetched by your function, sent as `authorization: Bearer …`: single-flight (1,000 concurrent `401`s → one call, no background task), refreshed ahead of expiry (from the advisory window on, one request refreshes and the rest keep the current token; from the mandatory window on, requests wait); after a failure every waiter gets `TokenRefresh` and refreshing rests; a refresh survives a request that gives up on it | windows 120 s and 30 s ([`refresh_windows`](RefreshingToken::refresh_windows)); rest 1 s doubling to 30 s ([`failure_backoff`](RefreshingToken::failure_backoff)); timeout 30 s ([`refresh_timeout`](RefreshingToken::refresh_timeout)) |
 //!
 //! The layer keeps no copy of the request and reads no body: the retry loop around it holds

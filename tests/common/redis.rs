@@ -1,13 +1,37 @@
 //! A real `redis-server` for the tests of the fleet across processes: started on a Unix
 //! socket in a directory of its own, without persistence, killed when dropped.
 //!
-//! When `redis-server` is not installed the tests that need it print a notice and pass,
-//! except under CI (the `CI` variable set), where they fail.
+//! The tests that need it are `#[ignore]`d, so that where it is not installed they show as
+//! ignored in the default output, counted at the end, rather than passing without running.
+//! They run with `--include-ignored` (see the README's Tests), and fail when it is missing
+//! then. Under CI (the `CI` variable set) a test that is not ignored,
+//! `redis_server_is_installed_under_ci`, fails when it is not installed.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+
+/// Whether `redis-server` can be run.
+pub fn installed() -> bool {
+    Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Under CI (the `CI` variable set) `redis-server` must be installed: the tests that need it
+/// are ignored by default, and CI runs them.
+pub fn assert_installed_under_ci() {
+    if std::env::var_os("CI").is_some() {
+        assert!(
+            installed(),
+            "redis-server is not installed, and CI is set: the fleet-redis tests must run"
+        );
+    }
+}
 
 pub struct RedisServer {
     child: Option<Child>,
@@ -19,15 +43,19 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// A fresh server, or `None` (with a notice) when `redis-server` is not installed and
-    /// this is not CI.
-    pub fn start() -> Option<Self> {
+    /// A fresh server.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-server` is not installed: a test that needs it fails rather than passing
+    /// without running.
+    pub fn start() -> Self {
         Self::start_with(None)
     }
 
     /// A fresh single-node Redis Cluster: one node, owning every hash slot, its state ok.
-    /// `None` as for [`start`](Self::start).
-    pub fn start_cluster() -> Option<Self> {
+    /// Panics as [`start`](Self::start).
+    pub fn start_cluster() -> Self {
         // A free port whose bus port (+10000) is a port too.
         let port = (0..50)
             .filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok())
@@ -35,7 +63,7 @@ impl RedisServer {
             .map(|a| a.port())
             .find(|p| *p <= 55_535)
             .expect("a free port");
-        let server = Self::start_with(Some(port))?;
+        let server = Self::start_with(Some(port));
         server.command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
         for _ in 0..400 {
             let info = match server.command(&["CLUSTER", "INFO"]) {
@@ -44,29 +72,19 @@ impl RedisServer {
                 _ => String::new(),
             };
             if info.contains("cluster_state:ok") {
-                return Some(server);
+                return server;
             }
             std::thread::sleep(Duration::from_millis(5));
         }
         panic!("the cluster node did not reach cluster_state:ok within 2 s");
     }
 
-    fn start_with(cluster_port: Option<u16>) -> Option<Self> {
+    fn start_with(cluster_port: Option<u16>) -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
-        let installed = Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !installed {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "redis-server is not installed, and CI is set: the fleet-redis tests must run"
-            );
-            eprintln!("NOTICE: redis-server is not installed; skipping this fleet-redis test");
-            return None;
-        }
+        assert!(
+            installed(),
+            "redis-server is not installed: this test needs it (see the README's Tests)"
+        );
         let dir = std::env::temp_dir().join(format!(
             "tower-llm-retry-redis-{}-{}",
             std::process::id(),
@@ -81,7 +99,7 @@ impl RedisServer {
             cluster_port,
         };
         server.launch();
-        Some(server)
+        server
     }
 
     fn launch(&mut self) {

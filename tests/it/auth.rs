@@ -712,3 +712,100 @@ async fn a_keys_rest_reads_an_http_date_against_the_responses_date() {
         ["sk-a", "sk-b", "sk-b", "sk-a", "sk-b"]
     );
 }
+
+/// A request with `openai-organization: org`, a header the mock answers `401` to whatever the
+/// key unless it is `org-mine`.
+fn with_org(url: &str, org: &str) -> Request<Full<Bytes>> {
+    let mut req = anthropic_request(url, BODY);
+    req.headers_mut()
+        .insert("openai-organization", org.parse().unwrap());
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_401_caused_by_the_clients_organization_header_sets_no_key_aside() {
+    let server = MockServer::start(Script::new().when(|req| {
+        (req.headers
+            .get("openai-organization")
+            .is_some_and(|o| o != "org-mine"))
+        .then(Reply::unauthorized)
+    }))
+    .await
+    .unwrap();
+    let pool = Arc::new(ApiKeyPool::new(["sk-a", "sk-b", "sk-c"]).unwrap());
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool.clone()))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(with_org(&url, "org-other"))
+            .await
+            .unwrap();
+        // Returned as it is: not re-sent with another key.
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(server.request_count(), 2);
+    assert!(format!("{pool:?}").contains("rejected: 0"), "{pool:?}");
+    // Every key is still in rotation: the next requests, good headers, take them in turn.
+    for req in [
+        anthropic_request(&url, BODY),
+        with_org(&url, "org-mine"),
+        anthropic_request(&url, BODY),
+        anthropic_request(&url, BODY),
+    ] {
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert_eq!(
+        seen_header(&server, "x-api-key"),
+        ["sk-a", "sk-b", "sk-c", "sk-a", "sk-b", "sk-c"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_revoked_key_is_set_aside_and_tried_again_after_a_doubling_quarantine() {
+    let server = MockServer::start(Script::new().require_header("x-api-key", ["sk-b"]))
+        .await
+        .unwrap();
+    let pool = ApiKeyPool::new(["sk-a", "sk-b"])
+        .unwrap()
+        .quarantine(Duration::from_secs(60), Duration::from_secs(100));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(exact_policy()))
+        .layer(AuthLayer::new(pool))
+        .service(http_client());
+    let url = server.url("/v1/messages");
+    let send = || async {
+        let res = svc
+            .clone()
+            .oneshot(anthropic_request(&url, BODY))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    };
+    // sk-a: 401, set aside, the request re-sent once with sk-b; the next goes to sk-b.
+    send().await;
+    send().await;
+    assert_eq!(seen_header(&server, "x-api-key"), ["sk-a", "sk-b", "sk-b"]);
+    // Just short of its quarantine sk-a is still aside; at its end it is tried again, is
+    // answered 401 again, and is set aside for twice as long, capped at 100 s.
+    tokio::time::sleep(Duration::from_secs(59)).await;
+    send().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    send().await;
+    assert_eq!(
+        seen_header(&server, "x-api-key")[3..],
+        ["sk-b", "sk-a", "sk-b"]
+    );
+    tokio::time::sleep(Duration::from_secs(99)).await;
+    send().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    send().await;
+    assert_eq!(
+        seen_header(&server, "x-api-key")[6..],
+        ["sk-b", "sk-a", "sk-b"]
+    );
+}

@@ -340,3 +340,81 @@ async fn sdk_retries_draw_on_the_tenants_budget() {
         .insert("x-api-key", "sk-other".parse().unwrap());
     assert_eq!(h.send(other).await.status(), 529);
 }
+
+/// A client's `OpenAI-Organization` the held keys do not belong to: the upstream answers
+/// `401`, the client gets it, and no held key leaves the rotation.
+#[tokio::test(start_paused = true)]
+async fn a_401_caused_by_a_client_header_takes_no_held_key_out_of_rotation() {
+    // Not named LLM_RETRY_PROXY_*: the proxies other tests start refuse unknown settings.
+    const VAR: &str = "HELD_KEYS_FOR_A_CLIENT_401_TEST";
+    std::env::set_var(VAR, "sk-a\nsk-b\nsk-c\n");
+    let script = Script::new().when(|req| {
+        req.headers
+            .contains_key("openai-organization")
+            .then(Reply::unauthorized)
+    });
+    let h = start_with(script, |c| {
+        c.client_token = Some(tower_llm_retry_proxy::config::Secret::new("proxy-token"));
+        c.upstream[0].keys_env = Some(VAR.into());
+    })
+    .await;
+    let send = |org: Option<&str>| {
+        let mut req = http::Request::post(h.url("/v1/messages")).header("x-api-key", "proxy-token");
+        if let Some(org) = org {
+            req = req.header("openai-organization", org);
+        }
+        h.send(req.body(Full::from(MESSAGES)).unwrap())
+    };
+    for _ in 0..2 {
+        assert_eq!(send(Some("org-not-mine")).await.status(), 401);
+    }
+    for _ in 0..4 {
+        assert_eq!(send(None).await.status(), 200);
+    }
+    let used: Vec<_> = h
+        .mock
+        .requests()
+        .iter()
+        .map(|r| r.headers["x-api-key"].to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(used, ["sk-a", "sk-b", "sk-c", "sk-a", "sk-b", "sk-c"]);
+    assert_same_bodies(&h, MESSAGES);
+}
+
+/// A held key the upstream refuses on every request is set aside, and tried again when its
+/// quarantine (1 min at first) is over.
+#[tokio::test(start_paused = true)]
+async fn a_revoked_held_key_is_set_aside_and_tried_again_after_its_quarantine() {
+    const VAR: &str = "HELD_KEYS_FOR_A_REVOKED_KEY_TEST";
+    std::env::set_var(VAR, "sk-revoked\nsk-good\n");
+    let h = start_with(
+        Script::new().require_header("x-api-key", ["sk-good"]),
+        |c| {
+            c.client_token = Some(tower_llm_retry_proxy::config::Secret::new("proxy-token"));
+            c.upstream[0].keys_env = Some(VAR.into());
+        },
+    )
+    .await;
+    let send = || {
+        let req = http::Request::post(h.url("/v1/messages"))
+            .header("x-api-key", "proxy-token")
+            .body(Full::from(MESSAGES))
+            .unwrap();
+        h.send(req)
+    };
+    assert_eq!(send().await.status(), 200);
+    tokio::time::sleep(Duration::from_secs(59)).await;
+    assert_eq!(send().await.status(), 200);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(send().await.status(), 200);
+    let used: Vec<_> = h
+        .mock
+        .requests()
+        .iter()
+        .map(|r| r.headers["x-api-key"].to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        used,
+        ["sk-revoked", "sk-good", "sk-good", "sk-revoked", "sk-good"]
+    );
+}
