@@ -195,14 +195,7 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
             .backoff_is_floor(s.floor)
             .head_timeout(Some(s.head))
             .idle_timeout(Some(s.idle))
-            // With pacing on, a quota read from a Retry-After of "forever" puts the next turn a
-            // day away, and a line checks on its head every 100 ms: a day of virtual time is
-            // ~10⁶ timer steps, minutes of CPU. A deadline of at most a minute bounds it.
-            .deadline(match (s.pacing, s.deadline) {
-                (true, None) => Some(Duration::from_secs(60)),
-                (true, Some(d)) => Some(d.min(Duration::from_secs(60))),
-                (false, d) => d,
-            });
+            .deadline(s.deadline);
         let jitter_max = 1.0 + 1.0; // every jitter mode stays within ×[0, 2]
         let delays = Delays::default();
         let gate = GateConfig::new()
@@ -255,14 +248,7 @@ fn run(s: Setup) -> Result<(), TestCaseError> {
                 "slept {d:?}, above the ceiling {bound:?} for {s:?}"
             );
         }
-        let deadline = match s.pacing {
-            true => Some(
-                s.deadline
-                    .map_or(Duration::from_secs(60), |d| d.min(Duration::from_secs(60))),
-            ),
-            false => s.deadline,
-        };
-        if let Some(deadline) = deadline {
+        if let Some(deadline) = s.deadline {
             // Every attempt of each request reached the server by that request's deadline:
             // all of them, retries included, not only the first (which leaves at once).
             let requests = server.requests();
