@@ -61,18 +61,87 @@ fn sse_event() -> impl Strategy<Value = String> {
     ]
 }
 
+/// A `Retry-After` value: anything printable, numbers plain or not, HTTP-dates.
+fn retry_after_value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[ -~]{0,64}",
+        " ?[+]?[0-9]{0,12}(\\.[0-9]{0,6})? ?",
+        "[0-9]{30,36}",
+        prop_oneof![
+            Just("inf"),
+            Just("NaN"),
+            Just("-1"),
+            Just("1e3"),
+            Just("0x10"),
+            Just("1.2.3"),
+            Just("Fri, 31 Dec 9999 23:59:59 GMT"),
+            Just("Thu, 01 Jan 1970 00:00:00 GMT"),
+            Just("Wed, 01 Jan 2027 00:00:00 GMT"),
+        ]
+        .prop_map(str::to_owned),
+    ]
+}
+
+/// A plain decimal number, as the parser reads one: digits with at most one dot, an
+/// optional `+`, at most 32 characters.
+fn plain_decimal(s: &str) -> Option<f64> {
+    let digits = s.strip_prefix('+').unwrap_or(s);
+    let ok = !s.is_empty()
+        && s.len() <= 32
+        && digits.chars().any(|c| c.is_ascii_digit())
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '.')
+        && digits.matches('.').count() <= 1;
+    ok.then(|| digits.parse().unwrap())
+}
+
+/// An SSE event name: none, a known one, or anything.
+fn sse_event_name() -> impl Strategy<Value = Option<String>> {
+    proptest::option::of(prop_oneof![
+        "[a-z_.]{0,30}",
+        prop_oneof![
+            Just("content_block_start"),
+            Just("content_block_delta"),
+            Just("error"),
+            Just("response.failed"),
+            Just("message_start"),
+            Just("ping"),
+            Just("content_block_stop"),
+            Just("message_delta"),
+            Just("message_stop"),
+        ]
+        .prop_map(str::to_owned),
+    ])
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn retry_after_never_panics_and_is_finite(value in "[ -~]{0,64}", ms in proptest::bool::ANY) {
+    fn retry_after_never_panics_and_is_a_number_or_a_future_date(value in retry_after_value(), ms in proptest::bool::ANY) {
         let mut headers = HeaderMap::new();
         if let Ok(v) = HeaderValue::from_str(&value) {
             headers.insert(if ms { "retry-after-ms" } else { "retry-after" }, v);
         }
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_767_225_600);
-        if let Some(d) = parse_retry_after(&headers, now) {
-            prop_assert!(d.as_secs_f64().is_finite());
+        let parsed = parse_retry_after(&headers, now);
+        let trimmed = value.trim_matches(|c| c == ' ' || c == '\t');
+        match plain_decimal(trimmed) {
+            // A plain decimal number is that many seconds (milliseconds), a number too large
+            // for a `Duration` its largest value.
+            Some(n) => {
+                let secs = if ms { n / 1000.0 } else { n };
+                let expected = Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
+                prop_assert_eq!(parsed, Some(expected), "{:?}", value);
+            }
+            // Anything else is an HTTP-date still to come, or absent: never "inf", "NaN",
+            // "1e3" or a negative number.
+            None => {
+                let date = (!ms)
+                    .then(|| httpdate::parse_http_date(trimmed).ok())
+                    .flatten()
+                    .and_then(|when| when.duration_since(now).ok());
+                prop_assert_eq!(parsed, date, "{:?}", value);
+            }
         }
     }
 
@@ -146,9 +215,19 @@ proptest! {
     }
 
     #[test]
-    fn default_sse_verdict_never_panics(event in proptest::option::of("[a-z_.]{0,30}"), data in "[ -~]{0,200}") {
-        let e = tower_llm_retry::stream::SseEvent { event: event.map(Into::into), data: data.into() };
+    fn default_sse_verdict_follows_the_event_name(event in sse_event_name(), data in "[ -~]{0,200}") {
+        let e = tower_llm_retry::stream::SseEvent { event: event.clone().map(Into::into), data: data.clone().into() };
         let v = DefaultClassifier::new().classify_sse_event(&e);
-        prop_assert!(matches!(v, SseVerdict::Output | SseVerdict::Preamble | SseVerdict::Error(_)));
+        match event.as_deref() {
+            Some("content_block_start" | "content_block_delta") => prop_assert_eq!(v, SseVerdict::Output),
+            Some("error" | "response.failed") => prop_assert!(matches!(v, SseVerdict::Error(_)), "{:?}", v),
+            Some("message_start" | "ping" | "content_block_stop" | "message_delta" | "message_stop") => {
+                prop_assert_eq!(v, SseVerdict::Preamble)
+            }
+            // An unknown event (or none) whose data is not a JSON object shows nothing.
+            Some(n) if n.starts_with("response.") => {}
+            _ if !data.trim().starts_with('{') => prop_assert_eq!(v, SseVerdict::Preamble),
+            _ => {}
+        }
     }
 }

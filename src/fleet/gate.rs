@@ -61,7 +61,7 @@ impl GateConfig {
     }
 
     /// How far apart waiters leave once the gate reopens: each adds a random extra in
-    /// `[0, min(fraction × announced wait, max)]`. `fraction` must be within `[0, 10]`.
+    /// `[0, min(fraction × announced wait, max, 1 day)]`. `fraction` must be within `[0, 10]`.
     /// Defaults to 0.5 and 30 s.
     pub fn spread(mut self, fraction: f64, max: Duration) -> Result<Self, ConfigError> {
         if !(0.0..=10.0).contains(&fraction) {
@@ -119,7 +119,11 @@ impl GateConfig {
     }
 
     fn spread_for(&self, announced: Duration) -> Duration {
-        crate::time::mul_f64(announced, self.spread_fraction).min(self.max_spread)
+        // At most the longest hold: a huge `Retry-After` with a large fraction and no
+        // maximum would otherwise hold a waiter for ages past the gate's reopening.
+        crate::time::mul_f64(announced, self.spread_fraction)
+            .min(self.max_spread)
+            .min(MAX_HOLD)
     }
 }
 

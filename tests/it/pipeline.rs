@@ -250,6 +250,15 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
         .await
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
+    // The scope the request used (the upstream's, the credential being set inside) did not
+    // close its gate: read it directly, not summed over the fleet.
+    let scope = fleet.scope_for(&anthropic_request(&url, BODY));
+    assert_eq!(
+        scope.scope_upstream(),
+        Some(server.addr().to_string().as_str())
+    );
+    assert_eq!(scope.gate_closings(), Some(0));
+    assert_eq!(scope.gate_closed_until(), None);
     // The 429 was the pool's to handle: the next request is not held at the gate.
     let res = svc.oneshot(anthropic_request(&url, BODY)).await.unwrap();
     assert_eq!(res.status(), StatusCode::OK);
@@ -260,6 +269,8 @@ async fn a_rotated_429_does_not_close_the_gate_for_the_other_keys() {
     assert_eq!(fleet.budget_stats().unwrap().first_attempts, 2);
     assert_eq!(fleet.gate_closings(), Some(0));
     assert_eq!(fleet.gate_closed_until(), None);
+    assert_eq!(fleet.scopes().len(), 1);
+    assert_eq!(scope.budget_stats().unwrap().first_attempts, 2);
 }
 
 #[tokio::test(start_paused = true)]

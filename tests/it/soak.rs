@@ -70,6 +70,9 @@ struct Tally {
     body_errors: usize,
     retries: u64,
     max_attempts: u32,
+    /// Each request's attempts as its trail tells them (`None`: an error with no trail), by
+    /// request index: one entry per request that ended.
+    attempts: HashMap<usize, Option<u32>>,
 }
 
 async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
@@ -130,6 +133,10 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                         let status = res.status();
                         let drained = res.into_body().collect().await;
                         let mut t = tally.lock().unwrap();
+                        assert!(
+                            t.attempts.insert(i, Some(attempts)).is_none(),
+                            "{i} ended twice"
+                        );
                         t.retries += retries;
                         t.max_attempts = t.max_attempts.max(attempts);
                         match drained {
@@ -140,6 +147,8 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
                     }
                     Err(e) => {
                         let mut t = tally.lock().unwrap();
+                        let attempts = e.trail().map(RetryTrail::total_attempts);
+                        assert!(t.attempts.insert(i, attempts).is_none(), "{i} ended twice");
                         if let Some(trail) = e.trail() {
                             t.retries += u64::from(trail.retries());
                             t.max_attempts = t.max_attempts.max(trail.total_attempts());
@@ -199,6 +208,24 @@ async fn soak(n: usize, seed: u64) -> (Tally, Duration) {
         accounted, n,
         "every request ends in a response or a typed error"
     );
+    // The caller's account against the server's: every request reached it, each as many
+    // times as its trail says it made attempts (twice for one an overflow repair re-sent).
+    assert_eq!(tally.attempts.len(), n);
+    assert_eq!(
+        per_request.len(),
+        n,
+        "requests that never reached the server"
+    );
+    for (i, attempts) in &tally.attempts {
+        let wire = per_request[&format!("req-{i}")];
+        if let Some(a) = attempts {
+            let a = *a as usize;
+            assert!(
+                a <= wire && wire <= 2 * a,
+                "request {i}: {a} attempts in its trail, {wire} on the wire"
+            );
+        }
+    }
     assert!(tally.max_attempts <= MAX_RETRIES + 1);
     // Retries within the budget: its reserve for every window of the run, plus its share of
     // the first attempts.
