@@ -397,10 +397,13 @@ async fn redis_frozen_delays_no_request_and_the_fleet_falls_back_then_returns() 
         .collect();
     all_connected(&fleets).await;
     let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
-    // Redis answers nobody for 1.2 s.
-    redis.command(&["CLIENT", "PAUSE", "1200", "ALL"]);
+    // Redis answers nobody for 2 s.
+    redis.command(&["CLIENT", "PAUSE", "2000", "ALL"]);
     let slowest = steady(&stacks, &server, Duration::from_millis(800)).await;
-    assert!(slowest < Duration::from_millis(50), "{slowest:?}");
+    // No request waits for the frozen Redis: a request that did would take up to the rest of
+    // the 2 s. The bound leaves room for what a loaded machine adds to a local round trip
+    // (50 ms was missed under load), and is still far below the freeze.
+    assert!(slowest < Duration::from_millis(500), "{slowest:?}");
     for f in &fleets {
         assert!(
             matches!(f.redis_state(), Some(RedisState::Local { .. })),
@@ -408,7 +411,7 @@ async fn redis_frozen_delays_no_request_and_the_fleet_falls_back_then_returns() 
             f.redis_state()
         );
     }
-    let back = within(Duration::from_secs(3), || fleets.iter().all(connected)).await;
+    let back = within(Duration::from_secs(5), || fleets.iter().all(connected)).await;
     assert!(back.is_some(), "{:?}", fleets[0].redis_state());
     assert!(coordination(&fleets[0], &fleets[1]).await.is_some());
 }
