@@ -61,6 +61,9 @@ pub(super) struct Shared {
     pub(super) stopped: AtomicBool,
     pub(super) wake: Notify,
     pub(super) cancel: CancellationToken,
+    /// The rounds the background task has made: an idle task makes one per poll.
+    #[cfg(test)]
+    pub(super) rounds: AtomicU64,
 }
 
 impl Link {
@@ -107,6 +110,8 @@ impl Link {
             stopped: AtomicBool::new(false),
             wake: Notify::new(),
             cancel: cancel.clone(),
+            #[cfg(test)]
+            rounds: AtomicU64::new(0),
         });
         let link = Link {
             shared,
@@ -150,8 +155,11 @@ impl Link {
     /// with first attempts made before it.
     pub(crate) fn deposit(&self) {
         self.ensure_started();
-        if self.shared.mode.load(Ordering::Acquire) != LOCAL {
-            self.shared.deposits.fetch_add(1, Ordering::Relaxed);
+        if self.shared.mode.load(Ordering::Acquire) != LOCAL
+            && self.shared.deposits.fetch_add(1, Ordering::Relaxed) == 0
+        {
+            // The task sleeps while there is nothing to flush: the first count wakes it.
+            self.shared.wake.notify_one();
         }
         if let Some(divided) = self.divided() {
             divided.deposit();
@@ -165,7 +173,9 @@ impl Link {
         let s = &self.shared;
         match s.mode.load(Ordering::Acquire) {
             CONNECTED => {
-                s.demand.fetch_add(1, Ordering::Relaxed);
+                if s.demand.fetch_add(1, Ordering::Relaxed) == 0 {
+                    s.wake.notify_one();
+                }
                 let ok = s
                     .granted
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |g| g.checked_sub(1))

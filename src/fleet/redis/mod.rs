@@ -301,9 +301,62 @@ const LOCAL: u8 = 2;
 const MIN_GRANT: u64 = 2;
 const MAX_GRANT: u64 = 64;
 
+/// The tests' real `redis-server`, shared with the integration tests.
+#[cfg(test)]
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../tests/common/redis.rs"]
+mod test_server;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::fleet::GateConfig;
+
+    fn link(redis: &test_server::RedisServer, scope: &str) -> Link {
+        let store = RedisFleet::from_url(&redis.url())
+            .unwrap()
+            .scope("127.0.0.1", scope.as_bytes());
+        let gate = Arc::new(Gate::new(GateConfig::new()));
+        Link::new(store, Some(gate), Some(BudgetConfig::default()), None)
+    }
+
+    async fn connected(link: &Link) {
+        for _ in 0..400 {
+            if matches!(link.state(), RedisState::Connected { .. }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("not in touch within 2 s: {:?}", link.state());
+    }
+
+    /// Idle, the background task wakes for the poll (every second) and the grant's renewal
+    /// (every second): a handful of rounds in 2 s, not a loop that spins.
+    #[tokio::test]
+    async fn an_idle_link_wakes_only_for_its_polls() {
+        let Some(redis) = test_server::RedisServer::start() else {
+            return;
+        };
+        let link = link(&redis, "idle");
+        connected(&link).await;
+        // A request was served: a first attempt counted and flushed.
+        link.deposit();
+        for _ in 0..400 {
+            if link.shared.deposits.load(Ordering::Relaxed) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(link.shared.deposits.load(Ordering::Relaxed), 0, "flushed");
+        let before = link.shared.rounds.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rounds = link.shared.rounds.load(Ordering::Relaxed) - before;
+        // 2 polls and 2 renewals, at most, and as many wake-ups from the redis connection
+        // at the most generous: a spinning task makes thousands.
+        assert!(rounds <= 10, "{rounds} rounds in 2 s idle");
+        assert!(matches!(link.state(), RedisState::Connected { .. }));
+    }
 
     #[test]
     fn the_scope_is_a_hash_and_every_key_shares_its_hash_tag() {

@@ -110,6 +110,8 @@ pub(super) async fn run(shared: Arc<Shared>, source: Source) {
             () = tokio::time::sleep_until(wake_at) => {}
         }
         let was_in_touch = in_touch;
+        #[cfg(test)]
+        shared.rounds.fetch_add(1, Ordering::Relaxed);
         task.round().await;
         // Pub/sub: subscribed once in touch (at once when touch comes back), again after the
         // stream ends. A message missed meanwhile is made up for by the poll.
@@ -180,9 +182,25 @@ impl Task {
         }
         let mut at = self.next_poll;
         if s.budget.is_some() {
-            at = at.min(self.next_flush);
+            // A flush is due at `next_flush` only while there is something to flush (see
+            // `exchange`); idle, only the grant's renewal is. Waking at a `next_flush` long
+            // past, to find nothing due, would spin. A count that comes meanwhile wakes the
+            // task (`Link::deposit`, `Link::withdraw`).
+            let flush_at = match self.flush_wanted() {
+                true => self.next_flush,
+                false => self.last_flush + self.refresh_every(),
+            };
+            at = at.min(flush_at);
         }
         at
+    }
+
+    /// Whether there are counts to flush, or too small a grant.
+    pub(super) fn flush_wanted(&self) -> bool {
+        let s = &self.shared;
+        s.deposits.load(Ordering::Relaxed) > 0
+            || s.demand.load(Ordering::Relaxed) > 0
+            || s.granted.load(Ordering::Relaxed) < MIN_GRANT
     }
 
     pub(super) fn connection(&mut self) -> Option<ConnectionManager> {
@@ -337,9 +355,7 @@ impl Task {
             self.next_poll = Instant::now() + s.poll_interval;
         }
         if s.budget.is_some() {
-            let active = s.deposits.load(Ordering::Relaxed) > 0
-                || s.demand.load(Ordering::Relaxed) > 0
-                || s.granted.load(Ordering::Relaxed) < MIN_GRANT;
+            let active = self.flush_wanted();
             let stale = now.duration_since(self.last_flush) >= self.refresh_every();
             let urgent = s.urgent.swap(false, Ordering::AcqRel);
             if (active && now >= self.next_flush) || stale || urgent || !connected {
