@@ -3,12 +3,25 @@
 
 use super::*;
 
+/// A request's wait for the first read of the shared gate ([`Link::first_read`]).
+pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 /// The link of one fleet to Redis, held by the fleet's state; dropping it ends the task.
 pub(crate) struct Link {
     pub(super) shared: Arc<Shared>,
-    pub(super) start: Mutex<Option<Source>>,
+    pub(super) start: Mutex<Option<Box<Source>>>,
     pub(super) started: OnceLock<()>,
     pub(super) _stop: DropGuard,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Cancelled before the hub looks: its channel goes with the last fleet of the scope.
+        self.shared.cancel.cancel();
+        if let Some(hub) = self.shared.hub.get() {
+            hub.leave();
+        }
+    }
 }
 
 /// What the fleet's handles and its background task share.
@@ -61,6 +74,11 @@ pub(super) struct Shared {
     pub(super) stopped: AtomicBool,
     pub(super) wake: Notify,
     pub(super) cancel: CancellationToken,
+    /// Cancelled once the task has first asked Redis for the gate (answered or not): the
+    /// first requests wait for it, at most one call deadline.
+    pub(super) first_read: CancellationToken,
+    /// The subscription shared with the store's other scopes, once joined.
+    pub(super) hub: OnceLock<Arc<hub::Hub>>,
     /// The rounds the background task has made: an idle task makes one per poll.
     #[cfg(test)]
     pub(super) rounds: AtomicU64,
@@ -110,12 +128,14 @@ impl Link {
             stopped: AtomicBool::new(false),
             wake: Notify::new(),
             cancel: cancel.clone(),
+            first_read: CancellationToken::new(),
+            hub: OnceLock::new(),
             #[cfg(test)]
             rounds: AtomicU64::new(0),
         });
         let link = Link {
             shared,
-            start: Mutex::new(Some(store.source)),
+            start: Mutex::new(Some(Box::new(store.source))),
             started: OnceLock::new(),
             _stop: cancel.drop_guard(),
         };
@@ -133,7 +153,11 @@ impl Link {
         };
         let mut start = self.start.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(source) = start.take() {
-            handle.spawn(run(self.shared.clone(), source));
+            if let (Source::Client(client, _, hub), true) = (&*source, self.shared.subscribe) {
+                hub.join(&self.shared, client, &handle);
+                self.shared.hub.set(hub.clone()).ok();
+            }
+            handle.spawn(run(self.shared.clone(), *source));
             if self.shared.pacer.is_some() {
                 handle.spawn(reserve_slots(self.shared.clone()));
             }
@@ -222,6 +246,25 @@ impl Link {
 }
 
 impl Link {
+    /// The wait of a request for the first read of the shared gate (and pacing rate), while
+    /// it is to come: a process new to the scope then holds its first requests at a gate
+    /// another process closed. At most one call deadline; `None` once read.
+    pub(crate) fn first_read(&self) -> Option<FirstRead> {
+        let s = &self.shared;
+        if s.first_read.is_cancelled() {
+            return None;
+        }
+        self.ensure_started();
+        if self.started.get().is_none() || s.stopped.load(Ordering::Acquire) {
+            return None;
+        }
+        let read = s.first_read.clone();
+        let deadline = s.call_timeout;
+        Some(Box::pin(async move {
+            let _ = tokio::time::timeout(deadline, read.cancelled_owned()).await;
+        }))
+    }
+
     /// The fleet's pacing rate, while in touch and known.
     pub(crate) fn pace(&self) -> Option<f64> {
         let s = &self.shared;

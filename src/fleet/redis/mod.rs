@@ -3,9 +3,13 @@
 //! Nothing on a request's path waits for Redis but a pacing turn: the gate is read from a
 //! local copy, a first attempt is counted locally, and a retry spends a retry already granted
 //! to this process. One background task per fleet talks to Redis: it flushes the counts and
-//! renews the grant (every 100 ms while requests flow), publishes closings of the gate,
-//! listens for those of the other processes, and polls the gate every second (the backstop
-//! when a message is lost). It ends when the last handle of the fleet is dropped.
+//! renews the grant (every 100 ms while requests flow, every second when idle), publishes
+//! closings of the gate, and polls the gate every second (the backstop when a message is
+//! lost); between those it sleeps. It ends when the last handle of the fleet is dropped. The
+//! closings of the other processes arrive on the store's one subscription, shared by all its
+//! scopes (`hub`). Until the task's first poll is answered (or has missed its deadline), the
+//! requests of a fleet wait for it at the gate: a process new to a scope does not walk into
+//! a gate another closed.
 //!
 //! With pacing, a second task reserves the slots of the fleet's schedule. The attempts of a
 //! process that wait for a slot queue in its line; while one reservation script is in
@@ -35,11 +39,12 @@ use super::gate::Gate;
 use super::limit::Pacer;
 use super::pacing::RemoteOutcome;
 
+mod hub;
 mod link;
 mod pace;
 mod task;
 
-pub(crate) use self::link::Link;
+pub(crate) use self::link::{FirstRead, Link};
 pub(crate) use self::pace::RemoteTurn;
 use self::{link::*, pace::*, task::*};
 use crate::error::ConfigError;
@@ -72,7 +77,11 @@ pub struct RedisFleet {
 enum Source {
     /// A client, and the one connection manager the fleets of this store (the scopes of a
     /// per-scope fleet) make from it and share.
-    Client(redis::Client, Arc<Mutex<Option<ConnectionManager>>>),
+    Client(
+        redis::Client,
+        Arc<Mutex<Option<ConnectionManager>>>,
+        Arc<hub::Hub>,
+    ),
     Manager(ConnectionManager),
 }
 
@@ -87,9 +96,9 @@ impl RedisFleet {
     }
 
     /// A fleet store through `client`: one managed connection for the scripts, one for
-    /// pub/sub.
+    /// pub/sub, shared by every scope of the fleets built from this store and its clones.
     pub fn from_client(client: redis::Client) -> Self {
-        Self::with_source(Source::Client(client, Arc::default()))
+        Self::with_source(Source::Client(client, Arc::default(), Arc::default()))
     }
 
     /// A fleet store through a connection manager of the caller's. A connection manager
@@ -163,8 +172,9 @@ impl RedisFleet {
     }
 
     /// Whether closings of the gate are also learnt from pub/sub messages, as they happen.
-    /// Without, they are learnt from the poll. Defaults to true (false from
-    /// [`from_manager`](RedisFleet::from_manager)).
+    /// Without, they are learnt from the poll. The fleets built from this store and its
+    /// clones share one subscription, whatever their number of scopes. Defaults to true
+    /// (false from [`from_manager`](RedisFleet::from_manager)).
     pub fn subscribe(mut self, on: bool) -> Self {
         self.subscribe = on && matches!(self.source, Source::Client(..));
         self

@@ -45,6 +45,7 @@ pub(super) struct Stopped(pub(super) Arc<Shared>);
 impl Drop for Stopped {
     fn drop(&mut self) {
         let s = &self.0;
+        s.first_read.cancel();
         if s.stopped.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -67,7 +68,7 @@ impl Drop for Stopped {
 pub(super) async fn run(shared: Arc<Shared>, source: Source) {
     let _stopped = Stopped(shared.clone());
     let (client, conn) = match source {
-        Source::Client(c, cell) => (Some((c, cell)), None),
+        Source::Client(c, cell, _) => (Some((c, cell)), None),
         Source::Manager(m) => (None, Some(m)),
     };
     let now = Instant::now();
@@ -89,68 +90,19 @@ pub(super) async fn run(shared: Arc<Shared>, source: Source) {
         in_doubt: None,
         flushes: 0,
     };
-    let mut messages: Option<redis::aio::PubSubStream> = None;
-    let mut resubscribe_at = now;
     loop {
-        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
-        let unsubscribed = messages.is_none() && shared.subscribe && in_touch;
-        let mut wake_at = task.next_wake();
-        if unsubscribed {
-            wake_at = wake_at.min(resubscribe_at);
-        }
+        let wake_at = task.next_wake();
         tokio::select! {
             biased;
             () = shared.cancel.cancelled() => return,
-            msg = next_message(&mut messages) => match msg {
-                Some(msg) => on_message(&shared, &msg),
-                // The connection went: subscribe again once in touch.
-                None => messages = None,
-            },
             () = shared.wake.notified() => {}
             () = tokio::time::sleep_until(wake_at) => {}
         }
-        let was_in_touch = in_touch;
         #[cfg(test)]
         shared.rounds.fetch_add(1, Ordering::Relaxed);
         task.round().await;
-        // Pub/sub: subscribed once in touch (at once when touch comes back), again after the
-        // stream ends. A message missed meanwhile is made up for by the poll.
-        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
-        if in_touch && !was_in_touch {
-            resubscribe_at = Instant::now();
-        }
-        if messages.is_none() && shared.subscribe && in_touch && Instant::now() >= resubscribe_at {
-            if let Some((client, _)) = &task.client {
-                messages = subscribe(client, &shared).await;
-                if messages.is_none() {
-                    resubscribe_at = Instant::now() + Duration::from_millis(500);
-                }
-            }
-        }
-    }
-}
-
-pub(super) async fn next_message(
-    messages: &mut Option<redis::aio::PubSubStream>,
-) -> Option<redis::Msg> {
-    match messages {
-        Some(stream) => stream.next().await,
-        None => std::future::pending().await,
-    }
-}
-
-pub(super) async fn subscribe(
-    client: &redis::Client,
-    shared: &Shared,
-) -> Option<redis::aio::PubSubStream> {
-    let attempt = async {
-        let mut pubsub = client.get_async_pubsub().await?;
-        pubsub.subscribe(&shared.keys.channel).await?;
-        Ok::<_, redis::RedisError>(pubsub.into_on_message())
-    };
-    match tokio::time::timeout(shared.call_timeout * 4, attempt).await {
-        Ok(Ok(stream)) => Some(stream),
-        _ => None,
+        // Asked once, answered or not: the first requests wait no longer.
+        shared.first_read.cancel();
     }
 }
 
