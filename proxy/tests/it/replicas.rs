@@ -83,8 +83,8 @@ async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_cl
     });
     until_requests(&mock, 2).await;
     let closed_at = mock.requests()[1].received_at;
-    // Once A has the 429 (and closes the gate in Redis), B learns of it from its poll,
-    // within a second (the proxy's fleets do not subscribe).
+    // Once A has the 429 (and closes the gate in Redis), B learns of it from the message,
+    // or at the latest from its poll, within a second.
     let start = Instant::now();
     while !proxy_a
         .metrics()

@@ -77,6 +77,8 @@ pub(super) struct Shared {
     /// Cancelled once the task has first asked Redis for the gate (answered or not): the
     /// first requests wait for it, at most one call deadline.
     pub(super) first_read: CancellationToken,
+    /// The same, as one atomic load for the requests after it (the token takes a lock).
+    pub(super) first_read_done: AtomicBool,
     /// The subscription shared with the store's other scopes, once joined.
     pub(super) hub: OnceLock<Arc<hub::Hub>>,
     /// The rounds the background task has made: an idle task makes one per poll.
@@ -129,6 +131,7 @@ impl Link {
             wake: Notify::new(),
             cancel: cancel.clone(),
             first_read: CancellationToken::new(),
+            first_read_done: AtomicBool::new(false),
             hub: OnceLock::new(),
             #[cfg(test)]
             rounds: AtomicU64::new(0),
@@ -251,7 +254,7 @@ impl Link {
     /// another process closed. At most one call deadline; `None` once read.
     pub(crate) fn first_read(&self) -> Option<FirstRead> {
         let s = &self.shared;
-        if s.first_read.is_cancelled() {
+        if s.first_read_done.load(Ordering::Acquire) {
             return None;
         }
         self.ensure_started();
@@ -354,6 +357,14 @@ pub(super) fn ms(d: Duration) -> u64 {
 pub(super) const MAX_REMOTE_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 
 impl Shared {
+    /// The first read of the gate was made (answered or not), or never will be.
+    pub(super) fn first_read_over(&self) {
+        if !self.first_read_done.load(Ordering::Acquire) {
+            self.first_read.cancel();
+            self.first_read_done.store(true, Ordering::Release);
+        }
+    }
+
     /// The fleet's pacing rate, as read from Redis. The local line keeps to this process's
     /// share of it, for the turns it gives when a reservation misses its deadline.
     pub(super) fn learnt_rate(&self, rate: f64) {

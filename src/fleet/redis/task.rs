@@ -45,7 +45,7 @@ pub(super) struct Stopped(pub(super) Arc<Shared>);
 impl Drop for Stopped {
     fn drop(&mut self) {
         let s = &self.0;
-        s.first_read.cancel();
+        s.first_read_over();
         if s.stopped.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -102,7 +102,7 @@ pub(super) async fn run(shared: Arc<Shared>, source: Source) {
         shared.rounds.fetch_add(1, Ordering::Relaxed);
         task.round().await;
         // Asked once, answered or not: the first requests wait no longer.
-        shared.first_read.cancel();
+        shared.first_read_over();
     }
 }
 
