@@ -101,7 +101,8 @@ pub(super) async fn run(shared: Arc<Shared>, source: Source) {
         #[cfg(test)]
         shared.rounds.fetch_add(1, Ordering::Relaxed);
         task.round().await;
-        // Asked once, answered or not: the first requests wait no longer.
+        // A round without a poll (out of touch, its backoff) ends the first requests' wait
+        // too: they do not wait for a reconnection.
         shared.first_read_over();
     }
 }
@@ -303,7 +304,10 @@ impl Task {
         let probe = s.probe.swap(false, Ordering::AcqRel);
         if !connected || now >= self.next_poll || probe {
             called = true;
-            self.poll_gate(conn).await?;
+            let polled = self.poll_gate(conn).await;
+            // The first requests wait for this read, not for the rest of the round.
+            s.first_read_over();
+            polled?;
             self.next_poll = Instant::now() + s.poll_interval;
         }
         if s.budget.is_some() {
