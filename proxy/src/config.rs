@@ -1226,12 +1226,10 @@ impl Config {
         // The library's error never quotes the URL (it may carry a password).
         let store = RedisFleet::from_url(url.expose())
             .map_err(|_| ConfigError::new("redis_url is not a valid Redis URL"))?;
-        // No pub/sub: a subscription is a connection of its own, and every tenant has a fleet
-        // (a client may make tenants at will with made-up keys). Closings reach the other
-        // replicas by the poll, within a second; the scripts share one connection.
-        Ok(Some(
-            store.prefix(self.redis_prefix.clone()).subscribe(false),
-        ))
+        // Every tenant's fleet is built from this one store: its scripts share one connection,
+        // and its closings arrive on one pub/sub connection, whatever the number of tenants
+        // (a client may make tenants at will with made-up keys).
+        Ok(Some(store.prefix(self.redis_prefix.clone())))
     }
 
     /// The resolved configuration as TOML, with every secret shown as `"***"`.

@@ -305,6 +305,8 @@ pin_project! {
     pub(crate) struct GateWait {
         #[pin]
         sleep: Sleep,
+        // The first read of the gate shared across processes, to wait for first.
+        first: Option<super::store::FirstRead>,
         fleet: Fleet,
         cap: Instant,
         deadline: Option<Instant>,
@@ -323,12 +325,24 @@ impl GateWait {
         let Some(gate) = fleet.gate() else {
             return Ok(None);
         };
-        if gate.is_open_fast() {
+        let first = fleet.first_read();
+        if gate.is_open_fast() && first.is_none() {
             return Ok(None);
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not switch the gate off by overflowing.
         let cap = now + limits.retry_after_max.min(MAX_HOLD);
+        if first.is_some() {
+            // A process new to the scope: what the others closed is read before the gate is.
+            return Ok(Some(GateWait {
+                sleep: tokio::time::sleep_until(now),
+                first,
+                fleet: fleet.clone(),
+                cap,
+                deadline,
+                random: limits.random.clone(),
+            }));
+        }
         let Some(until) = gate.wait_for(now, cap, deadline, limits.random)? else {
             return Ok(None);
         };
@@ -338,6 +352,7 @@ impl GateWait {
         );
         Ok(Some(GateWait {
             sleep: tokio::time::sleep_until(until),
+            first: None,
             fleet: fleet.clone(),
             cap,
             deadline,
@@ -359,6 +374,10 @@ impl Future for GateWait {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        if let Some(first) = this.first.as_mut() {
+            ready!(first.as_mut().poll(cx));
+            *this.first = None;
+        }
         loop {
             ready!(this.sleep.as_mut().poll(cx));
             // Closed again meanwhile (another request's 429): wait again, with a fresh share

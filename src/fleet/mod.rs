@@ -127,7 +127,13 @@
 //! - **Gate**: a closing is one script on Redis's own clock that only ever extends the
 //!   deadline, and publishes it. Each process holds the gate locally and learns of closings
 //!   from its own answers, from the message, and from a poll every second (the backstop).
-//!   The spread of the release stays local.
+//!   The scopes of a process built from one [`RedisFleet`] (and its clones: the tenants of a
+//!   per-scope fleet) share one subscription, on one connection, each message routed by its
+//!   channel, which names the scope's hash. A scope new to the process reads its gate (and
+//!   the pacing rate) before its first request goes out, waiting at most one call deadline:
+//!   a gate another process closed holds it too. The spread of the release stays local.
+//!   Idle, the background task of a scope wakes for its poll and the renewal of its grant
+//!   only.
 //! - **Budget**: the window of `TpsBudget`, fleet-wide: retries in it stay within
 //!   `min_per_sec × ttl + retry_ratio × first attempts` summed over every process. First
 //!   attempts are counted locally and flushed every 100 ms; each process holds a small
@@ -652,6 +658,11 @@ impl Fleet {
 
     fn gate(&self) -> Option<&Gate> {
         self.inner.gate.as_deref()
+    }
+
+    /// The wait for the first read of the gate shared across processes, while it is to come.
+    fn first_read(&self) -> Option<store::FirstRead> {
+        self.inner.store.first_read()
     }
 
     fn pacer(&self) -> Option<&Pacer> {

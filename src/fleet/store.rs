@@ -201,6 +201,15 @@ impl Store {
         }
     }
 
+    /// The wait for the first read of the shared gate, while it is to come.
+    pub(crate) fn first_read(&self) -> Option<FirstRead> {
+        match self {
+            Store::Local => None,
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.first_read(),
+        }
+    }
+
     /// The state of the link to Redis, when the store is one.
     #[cfg(feature = "fleet-redis")]
     pub(crate) fn redis_state(&self) -> Option<super::redis::RedisState> {
@@ -212,7 +221,11 @@ impl Store {
 }
 
 #[cfg(feature = "fleet-redis")]
-pub(crate) use super::redis::RemoteTurn;
+pub(crate) use super::redis::{FirstRead, RemoteTurn};
+
+/// The wait for a first read: none without a store that shares one.
+#[cfg(not(feature = "fleet-redis"))]
+pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// A turn of a shared schedule: none without a store that shares one.
 #[cfg(not(feature = "fleet-redis"))]

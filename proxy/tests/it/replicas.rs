@@ -89,8 +89,8 @@ async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_cl
     });
     until_requests(&mock, 2).await;
     let closed_at = mock.requests()[1].received_at;
-    // Once A has the 429 (and closes the gate in Redis), B learns of it from its poll,
-    // within a second (the proxy's fleets do not subscribe).
+    // Once A has the 429 (and closes the gate in Redis), B learns of it from the message,
+    // or at the latest from its poll, within a second.
     let start = Instant::now();
     while !proxy_a
         .metrics()
@@ -139,5 +139,62 @@ async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_cl
     assert!(
         a_tenant.iter().all(|t| *t >= Duration::from_millis(2900)),
         "{a_tenant:?}"
+    );
+}
+
+/// A closing on one replica reaches the other on the subscription its tenants share, long
+/// before the other's poll: a request there 100 ms after the `429` waits for the gate.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn a_closing_on_one_replica_holds_the_tenant_on_another_100_ms_later() {
+    let redis = redis_server::RedisServer::start();
+    // The second request of tenant A is refused for 3 s.
+    let seen_a = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let script = Script::new().when({
+        let seen_a = seen_a.clone();
+        move |req| {
+            let a = req.headers.get("x-api-key").is_some_and(|k| k == "sk-A");
+            (a && seen_a.fetch_add(1, Ordering::SeqCst) == 1).then(|| Reply::rate_limited("3"))
+        }
+    });
+    let mock = MockServer::start(script).await.unwrap();
+    let mut config = config_for(&mock);
+    config.redis_url = Some(Secret::new(redis.url()));
+    config.redis_prefix = format!("proxy-propagation-{}", std::process::id());
+    let (a, proxy_a) = replica(config.clone()).await;
+    let (b, _) = replica(config).await;
+    let client = client();
+
+    // B's tenant A has read the gate (its first poll) before A's 429; its next poll is a
+    // second after.
+    assert_eq!(client.request(from(b, "sk-A")).await.unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let through_a = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(from(a, "sk-A")).await.unwrap().status() }
+    });
+    until_requests(&mock, 2).await;
+    let closed_at = mock.requests()[1].received_at;
+    let start = Instant::now();
+    while !proxy_a
+        .metrics()
+        .render()
+        .contains("llm_retry_proxy_gate_closures_total{upstream=\"anthropic\"} 1")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "A never saw its 429"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    tokio::time::sleep_until(closed_at + Duration::from_millis(100)).await;
+    assert_eq!(client.request(from(b, "sk-A")).await.unwrap().status(), 200);
+    assert_eq!(through_a.await.unwrap(), 200);
+    let seen = mock.requests();
+    assert_eq!(seen.len(), 4);
+    let b_after = seen[2].received_at.min(seen[3].received_at) - closed_at;
+    assert!(
+        b_after >= Duration::from_millis(2_500),
+        "a request went out {b_after:?} after the 429"
     );
 }

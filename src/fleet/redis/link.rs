@@ -3,12 +3,25 @@
 
 use super::*;
 
+/// A request's wait for the first read of the shared gate ([`Link::first_read`]).
+pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 /// The link of one fleet to Redis, held by the fleet's state; dropping it ends the task.
 pub(crate) struct Link {
     pub(super) shared: Arc<Shared>,
-    pub(super) start: Mutex<Option<Source>>,
+    pub(super) start: Mutex<Option<Box<Source>>>,
     pub(super) started: OnceLock<()>,
     pub(super) _stop: DropGuard,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Cancelled before the hub looks: its channel goes with the last fleet of the scope.
+        self.shared.cancel.cancel();
+        if let Some(hub) = self.shared.hub.get() {
+            hub.leave();
+        }
+    }
 }
 
 /// What the fleet's handles and its background task share.
@@ -61,6 +74,16 @@ pub(super) struct Shared {
     pub(super) stopped: AtomicBool,
     pub(super) wake: Notify,
     pub(super) cancel: CancellationToken,
+    /// Cancelled once the task has first asked Redis for the gate (answered or not): the
+    /// first requests wait for it, at most one call deadline.
+    pub(super) first_read: CancellationToken,
+    /// The same, as one atomic load for the requests after it (the token takes a lock).
+    pub(super) first_read_done: AtomicBool,
+    /// The subscription shared with the store's other scopes, once joined.
+    pub(super) hub: OnceLock<Arc<hub::Hub>>,
+    /// The rounds the background task has made: an idle task makes one per poll.
+    #[cfg(test)]
+    pub(super) rounds: AtomicU64,
 }
 
 impl Link {
@@ -107,10 +130,15 @@ impl Link {
             stopped: AtomicBool::new(false),
             wake: Notify::new(),
             cancel: cancel.clone(),
+            first_read: CancellationToken::new(),
+            first_read_done: AtomicBool::new(false),
+            hub: OnceLock::new(),
+            #[cfg(test)]
+            rounds: AtomicU64::new(0),
         });
         let link = Link {
             shared,
-            start: Mutex::new(Some(store.source)),
+            start: Mutex::new(Some(Box::new(store.source))),
             started: OnceLock::new(),
             _stop: cancel.drop_guard(),
         };
@@ -128,7 +156,11 @@ impl Link {
         };
         let mut start = self.start.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(source) = start.take() {
-            handle.spawn(run(self.shared.clone(), source));
+            if let (Source::Client(client, _, hub), true) = (&*source, self.shared.subscribe) {
+                hub.join(&self.shared, client, &handle);
+                self.shared.hub.set(hub.clone()).ok();
+            }
+            handle.spawn(run(self.shared.clone(), *source));
             if self.shared.pacer.is_some() {
                 handle.spawn(reserve_slots(self.shared.clone()));
             }
@@ -150,8 +182,11 @@ impl Link {
     /// with first attempts made before it.
     pub(crate) fn deposit(&self) {
         self.ensure_started();
-        if self.shared.mode.load(Ordering::Acquire) != LOCAL {
-            self.shared.deposits.fetch_add(1, Ordering::Relaxed);
+        if self.shared.mode.load(Ordering::Acquire) != LOCAL
+            && self.shared.deposits.fetch_add(1, Ordering::Relaxed) == 0
+        {
+            // The task sleeps while there is nothing to flush: the first count wakes it.
+            self.shared.wake.notify_one();
         }
         if let Some(divided) = self.divided() {
             divided.deposit();
@@ -165,7 +200,9 @@ impl Link {
         let s = &self.shared;
         match s.mode.load(Ordering::Acquire) {
             CONNECTED => {
-                s.demand.fetch_add(1, Ordering::Relaxed);
+                if s.demand.fetch_add(1, Ordering::Relaxed) == 0 {
+                    s.wake.notify_one();
+                }
                 let ok = s
                     .granted
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |g| g.checked_sub(1))
@@ -212,6 +249,25 @@ impl Link {
 }
 
 impl Link {
+    /// The wait of a request for the first read of the shared gate (and pacing rate), while
+    /// it is to come: a process new to the scope then holds its first requests at a gate
+    /// another process closed. At most one call deadline; `None` once read.
+    pub(crate) fn first_read(&self) -> Option<FirstRead> {
+        let s = &self.shared;
+        if s.first_read_done.load(Ordering::Acquire) {
+            return None;
+        }
+        self.ensure_started();
+        if self.started.get().is_none() || s.stopped.load(Ordering::Acquire) {
+            return None;
+        }
+        let read = s.first_read.clone();
+        let deadline = s.call_timeout;
+        Some(Box::pin(async move {
+            let _ = tokio::time::timeout(deadline, read.cancelled_owned()).await;
+        }))
+    }
+
     /// The fleet's pacing rate, while in touch and known.
     pub(crate) fn pace(&self) -> Option<f64> {
         let s = &self.shared;
@@ -301,6 +357,14 @@ pub(super) fn ms(d: Duration) -> u64 {
 pub(super) const MAX_REMOTE_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 
 impl Shared {
+    /// The first read of the gate was made (answered or not), or never will be.
+    pub(super) fn first_read_over(&self) {
+        if !self.first_read_done.load(Ordering::Acquire) {
+            self.first_read.cancel();
+            self.first_read_done.store(true, Ordering::Release);
+        }
+    }
+
     /// The fleet's pacing rate, as read from Redis. The local line keeps to this process's
     /// share of it, for the turns it gives when a reservation misses its deadline.
     pub(super) fn learnt_rate(&self, rate: f64) {

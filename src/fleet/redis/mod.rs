@@ -3,9 +3,13 @@
 //! Nothing on a request's path waits for Redis but a pacing turn: the gate is read from a
 //! local copy, a first attempt is counted locally, and a retry spends a retry already granted
 //! to this process. One background task per fleet talks to Redis: it flushes the counts and
-//! renews the grant (every 100 ms while requests flow), publishes closings of the gate,
-//! listens for those of the other processes, and polls the gate every second (the backstop
-//! when a message is lost). It ends when the last handle of the fleet is dropped.
+//! renews the grant (every 100 ms while requests flow, every second when idle), publishes
+//! closings of the gate, and polls the gate every second (the backstop when a message is
+//! lost); between those it sleeps. It ends when the last handle of the fleet is dropped. The
+//! closings of the other processes arrive on the store's one subscription, shared by all its
+//! scopes (`hub`). Until the task's first poll is answered (or has missed its deadline), the
+//! requests of a fleet wait for it at the gate: a process new to a scope does not walk into
+//! a gate another closed.
 //!
 //! With pacing, a second task reserves the slots of the fleet's schedule. The attempts of a
 //! process that wait for a slot queue in its line; while one reservation script is in
@@ -35,11 +39,12 @@ use super::gate::Gate;
 use super::limit::Pacer;
 use super::pacing::RemoteOutcome;
 
+mod hub;
 mod link;
 mod pace;
 mod task;
 
-pub(crate) use self::link::Link;
+pub(crate) use self::link::{FirstRead, Link};
 pub(crate) use self::pace::RemoteTurn;
 use self::{link::*, pace::*, task::*};
 use crate::error::ConfigError;
@@ -72,7 +77,11 @@ pub struct RedisFleet {
 enum Source {
     /// A client, and the one connection manager the fleets of this store (the scopes of a
     /// per-scope fleet) make from it and share.
-    Client(redis::Client, Arc<Mutex<Option<ConnectionManager>>>),
+    Client(
+        redis::Client,
+        Arc<Mutex<Option<ConnectionManager>>>,
+        Arc<hub::Hub>,
+    ),
     Manager(ConnectionManager),
 }
 
@@ -87,9 +96,9 @@ impl RedisFleet {
     }
 
     /// A fleet store through `client`: one managed connection for the scripts, one for
-    /// pub/sub.
+    /// pub/sub, shared by every scope of the fleets built from this store and its clones.
     pub fn from_client(client: redis::Client) -> Self {
-        Self::with_source(Source::Client(client, Arc::default()))
+        Self::with_source(Source::Client(client, Arc::default(), Arc::default()))
     }
 
     /// A fleet store through a connection manager of the caller's. A connection manager
@@ -163,8 +172,9 @@ impl RedisFleet {
     }
 
     /// Whether closings of the gate are also learnt from pub/sub messages, as they happen.
-    /// Without, they are learnt from the poll. Defaults to true (false from
-    /// [`from_manager`](RedisFleet::from_manager)).
+    /// Without, they are learnt from the poll. The fleets built from this store and its
+    /// clones share one subscription, whatever their number of scopes. Defaults to true
+    /// (false from [`from_manager`](RedisFleet::from_manager)).
     pub fn subscribe(mut self, on: bool) -> Self {
         self.subscribe = on && matches!(self.source, Source::Client(..));
         self
@@ -301,9 +311,61 @@ const LOCAL: u8 = 2;
 const MIN_GRANT: u64 = 2;
 const MAX_GRANT: u64 = 64;
 
+/// The tests' real `redis-server`, shared with the integration tests.
+#[cfg(test)]
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../tests/common/redis.rs"]
+mod test_server;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::fleet::GateConfig;
+
+    fn link(redis: &test_server::RedisServer, scope: &str) -> Link {
+        let store = RedisFleet::from_url(&redis.url())
+            .unwrap()
+            .scope("127.0.0.1", scope.as_bytes());
+        let gate = Arc::new(Gate::new(GateConfig::new()));
+        Link::new(store, Some(gate), Some(BudgetConfig::default()), None)
+    }
+
+    async fn connected(link: &Link) {
+        for _ in 0..400 {
+            if matches!(link.state(), RedisState::Connected { .. }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("not in touch within 2 s: {:?}", link.state());
+    }
+
+    /// Idle, the background task wakes for the poll (every second) and the grant's renewal
+    /// (every second): a handful of rounds in 2 s, not a loop that spins.
+    #[tokio::test]
+    #[ignore = "needs redis-server; run as the README's Tests say"]
+    async fn an_idle_link_wakes_only_for_its_polls() {
+        let redis = test_server::RedisServer::start();
+        let link = link(&redis, "idle");
+        connected(&link).await;
+        // A request was served: a first attempt counted and flushed.
+        link.deposit();
+        for _ in 0..400 {
+            if link.shared.deposits.load(Ordering::Relaxed) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(link.shared.deposits.load(Ordering::Relaxed), 0, "flushed");
+        let before = link.shared.rounds.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let rounds = link.shared.rounds.load(Ordering::Relaxed) - before;
+        // 2 polls and 2 renewals at most (and a little room): a spinning task makes
+        // hundreds of thousands.
+        assert!(rounds <= 10, "{rounds} rounds in 2 s idle");
+        assert!(matches!(link.state(), RedisState::Connected { .. }));
+    }
 
     #[test]
     fn the_scope_is_a_hash_and_every_key_shares_its_hash_tag() {

@@ -45,6 +45,7 @@ pub(super) struct Stopped(pub(super) Arc<Shared>);
 impl Drop for Stopped {
     fn drop(&mut self) {
         let s = &self.0;
+        s.first_read_over();
         if s.stopped.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -67,7 +68,7 @@ impl Drop for Stopped {
 pub(super) async fn run(shared: Arc<Shared>, source: Source) {
     let _stopped = Stopped(shared.clone());
     let (client, conn) = match source {
-        Source::Client(c, cell) => (Some((c, cell)), None),
+        Source::Client(c, cell, _) => (Some((c, cell)), None),
         Source::Manager(m) => (None, Some(m)),
     };
     let now = Instant::now();
@@ -89,66 +90,20 @@ pub(super) async fn run(shared: Arc<Shared>, source: Source) {
         in_doubt: None,
         flushes: 0,
     };
-    let mut messages: Option<redis::aio::PubSubStream> = None;
-    let mut resubscribe_at = now;
     loop {
-        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
-        let unsubscribed = messages.is_none() && shared.subscribe && in_touch;
-        let mut wake_at = task.next_wake();
-        if unsubscribed {
-            wake_at = wake_at.min(resubscribe_at);
-        }
+        let wake_at = task.next_wake();
         tokio::select! {
             biased;
             () = shared.cancel.cancelled() => return,
-            msg = next_message(&mut messages) => match msg {
-                Some(msg) => on_message(&shared, &msg),
-                // The connection went: subscribe again once in touch.
-                None => messages = None,
-            },
             () = shared.wake.notified() => {}
             () = tokio::time::sleep_until(wake_at) => {}
         }
-        let was_in_touch = in_touch;
+        #[cfg(test)]
+        shared.rounds.fetch_add(1, Ordering::Relaxed);
         task.round().await;
-        // Pub/sub: subscribed once in touch (at once when touch comes back), again after the
-        // stream ends. A message missed meanwhile is made up for by the poll.
-        let in_touch = shared.mode.load(Ordering::Acquire) == CONNECTED;
-        if in_touch && !was_in_touch {
-            resubscribe_at = Instant::now();
-        }
-        if messages.is_none() && shared.subscribe && in_touch && Instant::now() >= resubscribe_at {
-            if let Some((client, _)) = &task.client {
-                messages = subscribe(client, &shared).await;
-                if messages.is_none() {
-                    resubscribe_at = Instant::now() + Duration::from_millis(500);
-                }
-            }
-        }
-    }
-}
-
-pub(super) async fn next_message(
-    messages: &mut Option<redis::aio::PubSubStream>,
-) -> Option<redis::Msg> {
-    match messages {
-        Some(stream) => stream.next().await,
-        None => std::future::pending().await,
-    }
-}
-
-pub(super) async fn subscribe(
-    client: &redis::Client,
-    shared: &Shared,
-) -> Option<redis::aio::PubSubStream> {
-    let attempt = async {
-        let mut pubsub = client.get_async_pubsub().await?;
-        pubsub.subscribe(&shared.keys.channel).await?;
-        Ok::<_, redis::RedisError>(pubsub.into_on_message())
-    };
-    match tokio::time::timeout(shared.call_timeout * 4, attempt).await {
-        Ok(Ok(stream)) => Some(stream),
-        _ => None,
+        // A round without a poll (out of touch, its backoff) ends the first requests' wait
+        // too: they do not wait for a reconnection.
+        shared.first_read_over();
     }
 }
 
@@ -180,9 +135,25 @@ impl Task {
         }
         let mut at = self.next_poll;
         if s.budget.is_some() {
-            at = at.min(self.next_flush);
+            // A flush is due at `next_flush` only while there is something to flush (see
+            // `exchange`); idle, only the grant's renewal is. Waking at a `next_flush` long
+            // past, to find nothing due, would spin. A count that comes meanwhile wakes the
+            // task (`Link::deposit`, `Link::withdraw`).
+            let flush_at = match self.flush_wanted() {
+                true => self.next_flush,
+                false => self.last_flush + self.refresh_every(),
+            };
+            at = at.min(flush_at);
         }
         at
+    }
+
+    /// Whether there are counts to flush, or too small a grant.
+    pub(super) fn flush_wanted(&self) -> bool {
+        let s = &self.shared;
+        s.deposits.load(Ordering::Relaxed) > 0
+            || s.demand.load(Ordering::Relaxed) > 0
+            || s.granted.load(Ordering::Relaxed) < MIN_GRANT
     }
 
     pub(super) fn connection(&mut self) -> Option<ConnectionManager> {
@@ -333,13 +304,14 @@ impl Task {
         let probe = s.probe.swap(false, Ordering::AcqRel);
         if !connected || now >= self.next_poll || probe {
             called = true;
-            self.poll_gate(conn).await?;
+            let polled = self.poll_gate(conn).await;
+            // The first requests wait for this read, not for the rest of the round.
+            s.first_read_over();
+            polled?;
             self.next_poll = Instant::now() + s.poll_interval;
         }
         if s.budget.is_some() {
-            let active = s.deposits.load(Ordering::Relaxed) > 0
-                || s.demand.load(Ordering::Relaxed) > 0
-                || s.granted.load(Ordering::Relaxed) < MIN_GRANT;
+            let active = self.flush_wanted();
             let stale = now.duration_since(self.last_flush) >= self.refresh_every();
             let urgent = s.urgent.swap(false, Ordering::AcqRel);
             if (active && now >= self.next_flush) || stale || urgent || !connected {
