@@ -32,3 +32,4 @@ mod reqwest;
 mod reqwest_tls;
 mod soak;
 mod streaming;
+mod unsendable;
