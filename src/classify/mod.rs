@@ -21,12 +21,15 @@
 //! | 1 | an error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
 //! | 2 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
 //! | 3 | 2xx | success (`x-should-retry` is not read) | — |
-//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 5–10 give | as below |
+//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 4a–10 give | as below |
+//! | 4a | a throttle in a cloud dialect, whatever the status: Amazon Bedrock's `ThrottlingException` (in the `x-amzn-ErrorType` header or the body's `__type`; "Too many tokens" included, which is a rate, not a context overflow), Google's `RESOURCE_EXHAUSTED` on a quota that is not per day or billing | retry | `RateLimited` |
+//! | 4b | Google's `RESOURCE_EXHAUSTED` whose quota (`quotaId`, `quotaMetric`, `ErrorInfo` metadata) or message names a daily or billing limit, on a 429 | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
+//! | 4c | Bedrock's `ServiceUnavailableException` or `ModelNotReadyException` (a 429 or 5xx); Google's `UNAVAILABLE` on a 5xx whose message says "overloaded" | retry | `Overloaded` |
 //! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
 //! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, for a 429 or 5xx whose body says `overloaded_error`, and for a 5xx whose body is OpenAI's overload: a `code` or `type` of `overloaded` or `server_is_overloaded`, or a message that starts "The server is overloaded or not ready yet" (any case) |
 //! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
 //! | 8 | 401 | no retry ([`AuthLayer`] refreshes once) | `Unauthorized` |
-//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length`, Google's `exceeds the maximum number of tokens allowed`, Bedrock's `Input is too long for requested model` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
 //! | 10 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
 //!
 //! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
@@ -42,14 +45,17 @@
 //! # `Retry-After`
 //!
 //! Every non-2xx verdict carries the wait the server asked for, read by
-//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
-//! (fractional) seconds, then `retry-after` as an HTTP-date, read against the response's own
+//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then Amazon Bedrock's
+//! `x-amz-retry-after` (milliseconds), then `retry-after` as (fractional) seconds, then
+//! `retry-after` as an HTTP-date, read against the response's own
 //! `Date` when it has one (so the host's clock skew does not change the wait; the system
 //! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative and
 //! unparseable values count as absent, and so does a date in the past or a value longer than
 //! 32 characters; a plain number too large for a `Duration` is the longest wait (above any
 //! ceiling, so the policy's choice for that applies); a header sent twice counts with its
-//! first value. A `Retry-After` applies only to the sleep
+//! first value. With no such header, Google's error envelope gives the wait in a
+//! `google.rpc.RetryInfo` detail's `retryDelay` (`"17s"`, `"1.5s"`: decimal seconds, at most
+//! nine fractional digits, 32 characters), under the same ceiling. A `Retry-After` applies only to the sleep
 //! right after the response that carried it; the policy clamps it and decides what a wait above
 //! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).
 //!
@@ -443,8 +449,14 @@ impl Classify for DefaultClassifier {
         let retry_after =
             headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
         let parsed = body.map(ErrorBody::parse);
-        let signal = parsed.map_or(BodySignal::Other, |b| b.signal);
+        // Bedrock's error type in its header outranks what the body says.
+        let signal = crate::provider::cloud::aws_header_signal(&head.headers)
+            .unwrap_or_else(|| parsed.map_or(BodySignal::Other, |b| b.signal));
+        // A header's wait first; else the body's (Google's `RetryInfo`).
+        let retry_after = retry_after.or_else(|| parsed.and_then(|b| b.retry_after));
         let class = match FailureClass::from_status(status) {
+            // A throttle, whatever the status says.
+            Some(_) if signal == BodySignal::Throttled => FailureClass::RateLimited,
             Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
                 if signal == BodySignal::Overloaded =>
             {

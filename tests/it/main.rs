@@ -10,6 +10,7 @@ mod axum_proxy;
 mod backoff;
 mod cancellation;
 mod classification;
+mod cloud;
 mod continuation;
 mod deadline;
 mod extremes;
