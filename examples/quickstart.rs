@@ -11,6 +11,22 @@
 //! 127.0.0.1 (feature `mock`), trusting only the certificate authority the mock made at
 //! start, and the mock fails the way the real API does: a rate limit with `Retry-After`, then
 //! three overloads in a row. Either way the example prints every attempt the stack made.
+//!
+//! The client speaks HTTPS (hyper-rustls, webpki roots, HTTP/2 offered by ALPN). hyper-util's
+//! `build_http()` would not do: it speaks plain `http://` only, and the request would end at
+//! once with `ErrorKind::Unsendable` ("the client's connector speaks only http://"). The
+//! same client with reqwest (default features: rustls, the platform's roots, HTTP/2):
+//!
+//! ```text
+//! let client = reqwest::Client::builder().retry(reqwest::retry::never()).build()?;
+//! let llm = ServiceBuilder::new()
+//!     .layer(RetryLayer::new())
+//!     .layer(fallback)
+//!     .layer(AuthLayer::new(key))
+//!     .service(tower_llm_retry::reqwest::ReqwestService::new(client)); // feature `reqwest`
+//! ```
+//!
+//! (reqwest's own retry off, or attempts multiply; `examples/reqwest_client.rs` runs it.)
 
 use std::time::Instant;
 
@@ -40,7 +56,7 @@ async fn main() -> Result<(), BoxError> {
     };
 
     // The README's code, with the two differences a mock needs: whom the TLS client trusts
-    // and where the request goes.
+    // and where the request goes. HTTPS, HTTP/1.1 and HTTP/2 (by ALPN), webpki roots.
     let tls = HttpsConnectorBuilder::new();
     let tls = match &mock {
         None => tls.with_webpki_roots(),

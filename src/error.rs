@@ -82,6 +82,14 @@ pub enum ErrorKind {
     /// [`DeadlineExceeded`](ErrorKind::DeadlineExceeded).) Nothing more was sent;
     /// [`Error::trail`] lists the attempts that failed before, if any.
     PacingWaitTooLong,
+    /// The request cannot be sent as configured, so it was tried once and never retried:
+    /// the client's connector does not speak the URL's scheme (hyper-util's `build_http()`
+    /// pointed at `https://`), the URL has no scheme or host or is not a valid URI, or the
+    /// client refused it before connecting. Nothing reached the server. The source is an
+    /// [`Unsendable`](crate::classify::Unsendable) whose [`cause`](crate::classify::Unsendable::cause)
+    /// says what to change, over the client's own error; [`Error::trail`] holds the one
+    /// attempt (class [`Unsendable`](crate::classify::FailureClass::Unsendable)).
+    Unsendable,
 }
 
 impl ErrorKind {
@@ -103,6 +111,7 @@ impl ErrorKind {
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::IncompleteStream => "incomplete_stream",
             ErrorKind::PacingWaitTooLong => "pacing_wait_too_long",
+            ErrorKind::Unsendable => "unsendable",
         }
     }
 
@@ -125,6 +134,7 @@ impl ErrorKind {
             ErrorKind::PacingWaitTooLong => {
                 "the turn in the pacing line is further off than the request may wait"
             }
+            ErrorKind::Unsendable => "the request cannot be sent as configured",
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `Retry-After` and `retry-after-ms` parsing: never panics, never overflows.
+//! `Retry-After`, `retry-after-ms` and `x-amz-retry-after` parsing: never panics, never
+//! overflows.
 #![no_main]
 
 use std::time::{Duration, SystemTime};
@@ -16,6 +17,7 @@ fuzz_target!(|data: &[u8]| {
         headers.append("x-should-retry", v);
     }
     if let Ok(v) = HeaderValue::from_bytes(second) {
+        headers.append("x-amz-retry-after", v.clone());
         headers.append("retry-after-ms", v);
     }
     if let Some(d) = parse_retry_after(&headers, now) {

@@ -6,11 +6,14 @@ use http::HeaderMap;
 
 /// `retry-after-ms`: milliseconds, as sent by the Anthropic and OpenAI APIs.
 pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+/// `x-amz-retry-after`: milliseconds, as sent by Amazon Bedrock.
+pub const X_AMZ_RETRY_AFTER: &str = "x-amz-retry-after";
 /// `x-should-retry`: the server's explicit retry advice.
 pub const X_SHOULD_RETRY: &str = "x-should-retry";
 
-/// Reads the wait a response asks for, first found wins: `retry-after-ms`, `retry-after` as
-/// (possibly fractional) seconds, then `retry-after` as an HTTP-date relative to `now`.
+/// Reads the wait a response asks for, first found wins: `retry-after-ms`,
+/// `x-amz-retry-after` (milliseconds, Amazon Bedrock), `retry-after` as (possibly fractional)
+/// seconds, then `retry-after` as an HTTP-date relative to `now`.
 ///
 /// NaN, infinite, negative or unparseable values count as absent, and so do an HTTP-date in
 /// the past and a value longer than 32 characters. A plain number too large for a `Duration`
@@ -26,6 +29,11 @@ pub(crate) fn parse_retry_after_with(
     now: impl FnOnce() -> SystemTime,
 ) -> Option<Duration> {
     if let Some(ms) = headers.get(RETRY_AFTER_MS).and_then(|v| v.to_str().ok()) {
+        if let Some(d) = parse_seconds(ms).and_then(|ms| duration_from_secs(ms / 1000.0)) {
+            return Some(d);
+        }
+    }
+    if let Some(ms) = headers.get(X_AMZ_RETRY_AFTER).and_then(|v| v.to_str().ok()) {
         if let Some(d) = parse_seconds(ms).and_then(|ms| duration_from_secs(ms / 1000.0)) {
             return Some(d);
         }
@@ -137,6 +145,23 @@ mod tests {
                 &[("retry-after-ms", "100"), ("retry-after", "9")],
                 Some(Duration::from_millis(100)),
             ),
+            (
+                &[("x-amz-retry-after", "1500")],
+                Some(Duration::from_millis(1500)),
+            ),
+            (
+                &[("x-amz-retry-after", "1500"), ("retry-after", "9")],
+                Some(Duration::from_millis(1500)),
+            ),
+            (
+                &[("retry-after-ms", "100"), ("x-amz-retry-after", "1500")],
+                Some(Duration::from_millis(100)),
+            ),
+            (
+                &[("x-amz-retry-after", "soon"), ("retry-after", "9")],
+                Some(Duration::from_secs(9)),
+            ),
+            (&[("x-amz-retry-after", "-5")], None),
             (
                 &[("retry-after-ms", "junk"), ("retry-after", "9")],
                 Some(Duration::from_secs(9)),

@@ -17,15 +17,19 @@
 //!
 //! | # | outcome of the attempt | verdict | class |
 //! |---|---|---|---|
+//! | 0 | an error that says the request cannot be sent as configured ([`unsendable`]): a connector that does not speak the URL's scheme (hyper-util's `build_http()` pointed at `https://`), a URL without scheme or host, an invalid URI, a scheme the client refuses | no retry; the request ends with [`ErrorKind::Unsendable`](crate::ErrorKind::Unsendable) | [`Unsendable`](FailureClass::Unsendable) |
 //! | 1 | an error that proves the server never processed the request ([`never_processed`], see [below](#http2-proofs-that-a-request-was-never-processed)) | retry | [`NotProcessed`](FailureClass::NotProcessed) |
 //! | 2 | any other error before a response head: connect error, reset, head timeout, incomplete message | retry | [`Transport`](FailureClass::Transport) |
 //! | 3 | 2xx | success (`x-should-retry` is not read) | — |
-//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 5–10 give | as below |
+//! | 4 | `x-should-retry: true` / `false` (other values are ignored) | obeyed, whatever the status; the class is the one rows 4a–10 give | as below |
+//! | 4a | a throttle in a cloud dialect, whatever the status: Amazon Bedrock's `ThrottlingException` (in the `x-amzn-ErrorType` header or the body's `__type`; "Too many tokens" included, which is a rate, not a context overflow), Google's `RESOURCE_EXHAUSTED` on a quota that is not per day or billing | retry | `RateLimited` |
+//! | 4b | Google's `RESOURCE_EXHAUSTED` whose quota (`quotaId`, `quotaMetric`, `ErrorInfo` metadata) or message names a daily or billing limit, on a 429 | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
+//! | 4c | Bedrock's `ServiceUnavailableException` or `ModelNotReadyException` (a 429 or 5xx); Google's `UNAVAILABLE` on a 5xx whose message says "overloaded" | retry | `Overloaded` |
 //! | 5 | 429 whose body names an exhausted quota or spend limit: `insufficient_quota`, `enforced_spend_limit_reached`, `billing_hard_limit_reached`, `billing_not_active` | no retry | [`QuotaExhausted`](FailureClass::QuotaExhausted) |
 //! | 6 | 408, 409, 429, 500–599 | retry | `Timeout`, `Conflict`, `RateLimited`, `Server`; `Overloaded` for 529, for a 429 or 5xx whose body says `overloaded_error`, and for a 5xx whose body is OpenAI's overload: a `code` or `type` of `overloaded` or `server_is_overloaded`, or a message that starts "The server is overloaded or not ready yet" (any case) |
 //! | 7 | any other 4xx but 401 whose body says `overloaded_error` | retry | `Overloaded` |
 //! | 8 | 401 | no retry ([`AuthLayer`] refreshes once) | `Unauthorized` |
-//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
+//! | 9 | any other 4xx (`400`, `413`) whose body says the context window overflowed: `exceed context limit`, `prompt is too long`, `context_length_exceeded`, `maximum context length`, Google's `exceeds the maximum number of tokens allowed`, Bedrock's `Input is too long for requested model` | no retry ([`ContextOverflowLayer`] repairs what it can) | [`ContextOverflow`](FailureClass::ContextOverflow) |
 //! | 10 | any other status | no retry; the response is returned as it is | `Client` (4xx), `Other` (1xx, 3xx) |
 //!
 //! Bodies are read only for 4xx and 5xx ([`Classify::wants_body`]), up to the peek limit
@@ -41,14 +45,17 @@
 //! # `Retry-After`
 //!
 //! Every non-2xx verdict carries the wait the server asked for, read by
-//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then `retry-after` as
-//! (fractional) seconds, then `retry-after` as an HTTP-date, read against the response's own
+//! [`headers::parse_retry_after`]. First found wins: `retry-after-ms`, then Amazon Bedrock's
+//! `x-amz-retry-after` (milliseconds), then `retry-after` as (fractional) seconds, then
+//! `retry-after` as an HTTP-date, read against the response's own
 //! `Date` when it has one (so the host's clock skew does not change the wait; the system
 //! clock otherwise, or [`DefaultClassifier::with_clock`]). NaN, infinite, negative and
 //! unparseable values count as absent, and so does a date in the past or a value longer than
 //! 32 characters; a plain number too large for a `Duration` is the longest wait (above any
 //! ceiling, so the policy's choice for that applies); a header sent twice counts with its
-//! first value. A `Retry-After` applies only to the sleep
+//! first value. With no such header, Google's error envelope gives the wait in a
+//! `google.rpc.RetryInfo` detail's `retryDelay` (`"17s"`, `"1.5s"`: decimal seconds, at most
+//! nine fractional digits, 32 characters), under the same ceiling. A `Retry-After` applies only to the sleep
 //! right after the response that carried it; the policy clamps it and decides what a wait above
 //! its ceiling means ([`RetryPolicy`](crate::RetryPolicy)).
 //!
@@ -170,6 +177,12 @@ pub enum FailureClass {
     /// Re-sent at once, once per attempt, even when the request is
     /// [`NotReplaySafe`](crate::retry::NotReplaySafe) (see [`never_processed`]).
     NotProcessed,
+    /// The request could not be sent as configured: the client's connector does not speak
+    /// the URL's scheme (hyper-util's `build_http()` pointed at `https://`), the URL has no
+    /// scheme or host, or the client refused the URI or HTTP version (see [`unsendable`]).
+    /// Another attempt would fail the same way, so it is never retried; the request ends
+    /// with [`ErrorKind::Unsendable`](crate::ErrorKind::Unsendable).
+    Unsendable,
 }
 
 impl FailureClass {
@@ -189,6 +202,7 @@ impl FailureClass {
             FailureClass::TruncatedEnvelope => "truncated_envelope",
             FailureClass::Other => "other",
             FailureClass::NotProcessed => "not_processed",
+            FailureClass::Unsendable => "unsendable",
         }
     }
 
@@ -435,8 +449,14 @@ impl Classify for DefaultClassifier {
         let retry_after =
             headers::parse_retry_after_with(&head.headers, || self.now(&head.headers));
         let parsed = body.map(ErrorBody::parse);
-        let signal = parsed.map_or(BodySignal::Other, |b| b.signal);
+        // Bedrock's error type in its header outranks what the body says.
+        let signal = crate::provider::cloud::aws_header_signal(&head.headers)
+            .unwrap_or_else(|| parsed.map_or(BodySignal::Other, |b| b.signal));
+        // A header's wait first; else the body's (Google's `RetryInfo`).
+        let retry_after = retry_after.or_else(|| parsed.and_then(|b| b.retry_after));
         let class = match FailureClass::from_status(status) {
+            // A throttle, whatever the status says.
+            Some(_) if signal == BodySignal::Throttled => FailureClass::RateLimited,
             Some(FailureClass::Client | FailureClass::Server | FailureClass::RateLimited)
                 if signal == BodySignal::Overloaded =>
             {
@@ -477,6 +497,9 @@ impl Classify for DefaultClassifier {
     }
 
     fn classify_error(&self, error: &(dyn std::error::Error + 'static)) -> Classification {
+        if unsendable(error).is_some() {
+            return Classification::fail(FailureClass::Unsendable);
+        }
         if never_processed(error) {
             return Classification::retry(FailureClass::NotProcessed);
         }
@@ -505,6 +528,182 @@ impl fmt::Display for RequestNotSent {
 }
 
 impl std::error::Error for RequestNotSent {}
+
+/// The cause of a request that cannot be sent as configured, found in an error's source
+/// chain: the error [`ErrorKind::Unsendable`](crate::ErrorKind::Unsendable) carries as its
+/// source, its [`cause`](Unsendable::cause) a sentence that says what to change. A service
+/// may return one itself (anywhere in its source chain) to end a request at once.
+#[derive(Debug)]
+pub struct Unsendable {
+    cause: &'static str,
+    source: Option<crate::BoxError>,
+}
+
+impl Unsendable {
+    /// An error saying the request cannot be sent because of `cause`.
+    pub fn new(cause: &'static str) -> Self {
+        Unsendable {
+            cause,
+            source: None,
+        }
+    }
+
+    /// The cause, and what to do about it.
+    pub fn cause(&self) -> &'static str {
+        self.cause
+    }
+
+    /// Wraps the inner service's error, naming its cause.
+    pub(crate) fn wrap(error: crate::BoxError) -> Self {
+        let cause = unsendable(&*error).unwrap_or(GENERIC_UNSENDABLE);
+        Unsendable {
+            cause,
+            source: Some(error),
+        }
+    }
+}
+
+impl fmt::Display for Unsendable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request cannot be sent as configured: {}", self.cause)
+    }
+}
+
+impl std::error::Error for Unsendable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| &**e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// The cause a custom classifier's [`FailureClass::Unsendable`] gets when the error names none
+/// this crate knows.
+const GENERIC_UNSENDABLE: &str = "the classifier judged the request unsendable";
+
+/// The messages of errors that say a request cannot be sent as configured, with the cause
+/// reported for each. The clients' error types that carry them are private (hyper-util's
+/// `ConnectError`) or carry them as plain I/O errors (hyper-rustls), so their text is the
+/// only thing to go by; each is compared whole (or, where the message ends with the URL's
+/// scheme, by its fixed start).
+const UNSENDABLE_MESSAGES: &[(&str, bool, &str)] = &[
+    // hyper-util's `HttpConnector` (with `enforce_http`, as `build_http()` builds it).
+    (
+        "invalid URL, scheme is not http",
+        false,
+        "the client's connector speaks only http:// and the URL is not http:// \
+         (hyper-util's `build_http()`); for https://, build the client on an HTTPS connector \
+         such as hyper-rustls",
+    ),
+    (
+        "invalid URL, scheme is missing",
+        false,
+        "the URL has no scheme; use an absolute URL such as https://api.anthropic.com/v1/messages",
+    ),
+    ("invalid URL, host is missing", false, "the URL has no host"),
+    // hyper-rustls's `HttpsConnector` built `https_only()`.
+    (
+        "unsupported scheme ",
+        true,
+        "the client's HTTPS connector does not speak the URL's scheme (built `https_only`, \
+         it takes https:// only)",
+    ),
+    // hyper-util's legacy client, before it connects.
+    (
+        "client error (UserAbsoluteUriRequired)",
+        false,
+        "the client needs an absolute URL (scheme and host) and the request's URI has none",
+    ),
+    (
+        "client error (UserUnsupportedVersion)",
+        false,
+        "the request asks for an HTTP version the client's connection does not speak \
+         (HTTP/2 on an HTTP/1 connection: enable HTTP/2 in the client or leave the version)",
+    ),
+    // reqwest, for a scheme other than http and https (or not https with `https_only`).
+    (
+        "URL scheme is not allowed",
+        false,
+        "the client does not allow the URL's scheme",
+    ),
+];
+
+/// What [`Classify::classify_error`] of [`DefaultClassifier`] calls
+/// [`FailureClass::Unsendable`]: the cause, when somewhere in `error`'s source chain is an
+/// [`Unsendable`], an error of an invalid URI (`http::uri::InvalidUri`), or the error a client
+/// raises before it connects because of the URL or its connector: hyper-util's `HttpConnector`
+/// refusing a scheme other than http:// ("invalid URL, scheme is not http", the error of
+/// `build_http()` pointed at `https://`), a URL without scheme or host, hyper-rustls's
+/// `https_only` connector refusing http://, hyper-util's client refusing a URI that is not
+/// absolute or an HTTP version its connection does not speak, reqwest refusing a scheme or
+/// failing to build the request. A timeout, refusal or reset is never one of these. Each
+/// error's message is read up to 64 bytes, so a hostile or huge message costs nothing.
+pub fn unsendable(error: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(u) = e.downcast_ref::<Unsendable>() {
+            return Some(u.cause);
+        }
+        if e.is::<http::uri::InvalidUri>() || e.is::<http::uri::InvalidUriParts>() {
+            return Some("the URL is not a valid URI");
+        }
+        #[cfg(feature = "reqwest")]
+        if e.downcast_ref::<reqwest::Error>()
+            .is_some_and(reqwest::Error::is_builder)
+        {
+            // A builder error's own source (a bad scheme) may say more.
+            let deeper = e.source().and_then(unsendable);
+            return Some(deeper.unwrap_or("reqwest could not build the request from its URL"));
+        }
+        let mut text = Capped::new();
+        if fmt::write(&mut text, format_args!("{e}")).is_ok() {
+            let text = text.as_str();
+            for &(message, prefix, cause) in UNSENDABLE_MESSAGES {
+                let hit = if prefix {
+                    text.starts_with(message)
+                } else {
+                    text == message
+                };
+                if hit {
+                    return Some(cause);
+                }
+            }
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// A message buffer that refuses to grow past 64 bytes (the write then fails), so reading an
+/// error's message is bounded.
+struct Capped {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Capped {
+    const fn new() -> Self {
+        Capped {
+            buf: [0; 64],
+            len: 0,
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        // Only whole `&str`s are copied in, so the bytes are UTF-8.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+}
+
+impl fmt::Write for Capped {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len.checked_add(s.len()).ok_or(fmt::Error)?;
+        let dst = self.buf.get_mut(self.len..end).ok_or(fmt::Error)?;
+        dst.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
 
 /// Whether HTTP/2 proved that the server never processed the request (the rule gRPC uses for
 /// its transparent retries): somewhere in the source chain, an `h2` error the server caused
@@ -581,6 +780,122 @@ mod tests {
 
     fn classify(status: u16, headers: &[(&str, &str)], body: &str) -> Classification {
         DefaultClassifier::new().classify_response(&head(status, headers), Some(body.as_bytes()))
+    }
+
+    /// An error with a message and an optional source, as clients build them.
+    #[derive(Debug)]
+    struct Msg(String, Option<Box<dyn std::error::Error + Send + Sync>>);
+
+    impl fmt::Display for Msg {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+
+    impl std::error::Error for Msg {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    fn msg(text: &str) -> Msg {
+        Msg(text.to_owned(), None)
+    }
+
+    #[test]
+    fn unsendable_causes() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("invalid URL, scheme is not http", Some("HTTPS connector")),
+            ("invalid URL, scheme is missing", Some("no scheme")),
+            ("invalid URL, host is missing", Some("no host")),
+            ("unsupported scheme http", Some("https_only")),
+            ("unsupported scheme ftp", Some("https_only")),
+            (
+                "client error (UserAbsoluteUriRequired)",
+                Some("absolute URL"),
+            ),
+            (
+                "client error (UserUnsupportedVersion)",
+                Some("HTTP version"),
+            ),
+            ("URL scheme is not allowed", Some("scheme")),
+            // Near misses, and what a timeout, refusal or reset says.
+            ("invalid URL, scheme is not https", None),
+            ("Invalid URL, scheme is not http", None),
+            ("invalid URL, scheme is not http ", None),
+            ("unsupported scheme", None),
+            ("client error (Connect)", None),
+            ("client error (SendRequest)", None),
+            ("connection refused", None),
+            ("operation timed out", None),
+            ("connection reset by peer", None),
+            ("", None),
+        ];
+        for &(text, want) in cases {
+            let got = unsendable(&msg(text));
+            match want {
+                Some(part) => assert!(
+                    got.is_some_and(|c| c.contains(part)),
+                    "{text:?}: {got:?} should say {part:?}"
+                ),
+                None => assert_eq!(got, None, "{text:?}"),
+            }
+            // The class follows.
+            let c = DefaultClassifier::new().classify_error(&msg(text));
+            if want.is_some() {
+                assert_eq!(c.class(), Some(FailureClass::Unsendable), "{text:?}");
+                assert!(!c.is_retryable(), "{text:?}");
+            } else {
+                assert_eq!(c.class(), Some(FailureClass::Transport), "{text:?}");
+                assert!(c.is_retryable(), "{text:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn unsendable_is_found_deep_in_the_chain() {
+        let inner = Msg("invalid URL, scheme is not http".to_owned(), None);
+        let outer = Msg("client error (Connect)".to_owned(), Some(Box::new(inner)));
+        let top = Msg("request failed".to_owned(), Some(Box::new(outer)));
+        assert!(unsendable(&top).is_some_and(|c| c.contains("build_http")));
+        // An invalid URI, by type.
+        let invalid = "http://exa mple.com".parse::<http::Uri>().unwrap_err();
+        assert_eq!(unsendable(&invalid), Some("the URL is not a valid URI"));
+        // A service's own marker.
+        let own = Msg("x".to_owned(), Some(Box::new(Unsendable::new("my cause"))));
+        assert_eq!(unsendable(&own), Some("my cause"));
+    }
+
+    #[test]
+    fn unsendable_reads_a_bounded_message() {
+        // Longer than the buffer: never matched, never panics, whatever it starts with.
+        for len in [63, 64, 65, 1000, 1 << 20] {
+            let mut text = "unsupported scheme ".to_owned();
+            while text.len() < len {
+                text.push('é');
+            }
+            let got = unsendable(&msg(&text));
+            assert_eq!(got.is_some(), text.len() <= 64, "{len}");
+        }
+        // Multi-byte characters across the cap's edge.
+        let text = "\u{1F600}".repeat(40);
+        assert_eq!(unsendable(&msg(&text)), None);
+    }
+
+    #[test]
+    fn unsendable_wraps_its_source() {
+        let e: crate::BoxError = Box::new(msg("invalid URL, host is missing"));
+        let wrapped = Unsendable::wrap(e);
+        assert_eq!(wrapped.cause(), "the URL has no host");
+        assert_eq!(
+            wrapped.to_string(),
+            "request cannot be sent as configured: the URL has no host"
+        );
+        let source = std::error::Error::source(&wrapped).unwrap();
+        assert_eq!(source.to_string(), "invalid URL, host is missing");
+        // A cause the crate does not know still names itself.
+        let e: crate::BoxError = Box::new(msg("something else"));
+        assert_eq!(Unsendable::wrap(e).cause(), GENERIC_UNSENDABLE);
     }
 
     #[test]

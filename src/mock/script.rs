@@ -494,6 +494,122 @@ impl Reply {
         .header(RETRY_AFTER.as_str(), retry_after)
     }
 
+    /// An Amazon Bedrock error: `status`, the header
+    /// `x-amzn-ErrorType: {error_type}:http://internal.amazon.com/coral/com.amazon.bedrock/`
+    /// and the body `{"message":message}`, as Bedrock's runtime sends them (its codes:
+    /// `ThrottlingException`, `ServiceUnavailableException`, `ModelNotReadyException`,
+    /// `ValidationException`, `AccessDeniedException`, ...).
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code, or `error_type` not a valid header
+    /// value.
+    pub fn bedrock_error(status: u16, error_type: &str, message: &str) -> Self {
+        let body = object! { "message": message };
+        Self::status(status)
+            .header(
+                "x-amzn-errortype",
+                &format!("{error_type}:http://internal.amazon.com/coral/com.amazon.bedrock/"),
+            )
+            .json_text(body.into_string())
+    }
+
+    /// `429` as Amazon Bedrock throttles: a `ThrottlingException` whose message is "Too many
+    /// tokens, please wait before trying again.", with `x-amz-retry-after` set to
+    /// `retry_after_ms` milliseconds.
+    pub fn bedrock_throttled(retry_after_ms: u64) -> Self {
+        Self::bedrock_error(
+            429,
+            "ThrottlingException",
+            "Too many tokens, please wait before trying again.",
+        )
+        .header("x-amz-retry-after", &retry_after_ms.to_string())
+    }
+
+    /// A Google error (Vertex AI, the Gemini API): `status` with the envelope
+    /// `{"error":{"code":status,"message":message,"status":google_status,"details":[...]}}`,
+    /// whose `details` hold a `google.rpc.RetryInfo` with `retryDelay` set to `retry_delay`
+    /// verbatim (such as `"17s"` or `"1.5s"`) when there is one, after a
+    /// `google.rpc.QuotaFailure` naming `quota_id` when there is one. `array`: the envelope
+    /// as a one-element JSON array, as some Google endpoints send it.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `status` is not a valid HTTP status code.
+    pub fn google_error(
+        status: u16,
+        google_status: &str,
+        message: &str,
+        quota_id: Option<&str>,
+        retry_delay: Option<&str>,
+        array: bool,
+    ) -> Self {
+        let mut details = String::from("[");
+        if let Some(quota_id) = quota_id {
+            let failure = object! {
+                "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                "violations": array![object! {
+                    "quotaMetric": "aiplatform.googleapis.com/generate_content_requests",
+                    "quotaId": quota_id,
+                }],
+            };
+            details.push_str(&failure.into_string());
+        }
+        if let Some(delay) = retry_delay {
+            if details.len() > 1 {
+                details.push(',');
+            }
+            let info = object! {
+                "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                "retryDelay": delay,
+            };
+            details.push_str(&info.into_string());
+        }
+        details.push(']');
+        let envelope = object! {
+            "error": object! {
+                "code": u32::from(status),
+                "message": message,
+                "status": google_status,
+                "details": super::json::Raw(details),
+            },
+        };
+        let body = if array {
+            array![envelope].into_string()
+        } else {
+            envelope.into_string()
+        };
+        Self::status(status).json_text(body)
+    }
+
+    /// `429` with Google's `RESOURCE_EXHAUSTED` on a per-minute quota, and a
+    /// `google.rpc.RetryInfo` whose `retryDelay` is `retry_delay` verbatim (`"30s"`): what
+    /// Vertex AI sends when a per-minute quota runs out. A rate limit, to wait out.
+    pub fn google_resource_exhausted(retry_delay: &str) -> Self {
+        Self::google_error(
+            429,
+            "RESOURCE_EXHAUSTED",
+            "Quota exceeded for aiplatform.googleapis.com/generate_content_requests_per_minute_per_project_per_base_model with base model: gemini-2.5-pro. Please submit a quota increase request.",
+            Some("GenerateContentRequestsPerMinutePerProjectPerBaseModel"),
+            Some(retry_delay),
+            false,
+        )
+    }
+
+    /// `429` with Google's `RESOURCE_EXHAUSTED` on a daily quota (the Gemini API's free tier,
+    /// `GenerateRequestsPerDayPerProjectPerModel-FreeTier`), with a `retryDelay` of `"17s"`
+    /// that waiting would not honour: the quota comes back tomorrow.
+    pub fn google_daily_quota_exhausted() -> Self {
+        Self::google_error(
+            429,
+            "RESOURCE_EXHAUSTED",
+            "You exceeded your current quota, please check your plan and billing details.",
+            Some("GenerateRequestsPerDayPerProjectPerModel-FreeTier"),
+            Some("17s"),
+            true,
+        )
+    }
+
     /// Reads the request, then closes the connection without responding.
     ///
     /// Clients see the connection closed before the response began. On

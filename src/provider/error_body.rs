@@ -1,4 +1,7 @@
-//! Recognising provider error bodies (Anthropic and OpenAI shapes).
+//! Recognising provider error bodies (Anthropic and OpenAI shapes, and the cloud dialects
+//! [`cloud`](super::cloud) reads).
+
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -15,6 +18,10 @@ pub(crate) enum BodySignal {
     QuotaExhausted,
     /// A context-window overflow (`max_tokens` too large, or the prompt itself too long).
     ContextOverflow,
+    /// A throttle whatever the status: Bedrock's `ThrottlingException` (also "Too many
+    /// tokens", which is a rate, not a context overflow), Google's `RESOURCE_EXHAUSTED` on a
+    /// quota that is not daily or billing. A rate limit, retried.
+    Throttled,
     /// Nothing this crate acts on.
     Other,
 }
@@ -55,7 +62,17 @@ const OVERFLOW_PATTERNS: &[&str] = &[
     "prompt is too long",
     "context_length_exceeded",
     "maximum context length",
+    // Google (Gemini API, Vertex AI): "The input token count (1200000) exceeds the maximum
+    // number of tokens allowed (1048576)."
+    "exceeds the maximum number of tokens allowed",
+    // Bedrock's `ValidationException`.
+    "Input is too long for requested model",
 ];
+
+/// Whether an error message names a context overflow.
+pub(crate) fn says_overflow(message: &str) -> bool {
+    OVERFLOW_PATTERNS.iter().any(|p| message.contains(p))
+}
 
 #[derive(Deserialize)]
 struct Envelope<'a> {
@@ -81,6 +98,8 @@ struct ErrorObject<'a> {
 pub(crate) struct ErrorBody {
     pub(crate) signal: BodySignal,
     pub(crate) overflow: Option<Overflow>,
+    /// The wait the body asks for: Google's `RetryInfo.retryDelay`.
+    pub(crate) retry_after: Option<Duration>,
 }
 
 impl ErrorBody {
@@ -89,13 +108,42 @@ impl ErrorBody {
     /// A body that parses is judged by its `error.type`, `error.code` and `error.message`;
     /// one that does not (cut short at the peek limit, or not JSON) falls back to looking for
     /// the quoted error codes, which no prose message contains by accident.
+    ///
+    /// Google's envelope (`error.status`, a number as `error.code`) and Bedrock's
+    /// (`__type` and a top-level `message`) are read by [`cloud`](super::cloud) first and
+    /// last.
     pub(crate) fn parse(bytes: &[u8]) -> Self {
-        let (signal, message) = read(bytes);
+        let (signal, message, retry_after) = match super::cloud::google(bytes) {
+            Some(g) => (g.signal, g.message, g.retry_after),
+            None => {
+                let (signal, message) = read(bytes);
+                match (signal, &message) {
+                    (BodySignal::Other, None) => match super::cloud::aws_body(bytes) {
+                        Some((aws, message)) => {
+                            let signal = match aws {
+                                Some(signal) => signal,
+                                None if message.as_deref().is_some_and(says_overflow) => {
+                                    BodySignal::ContextOverflow
+                                }
+                                None => BodySignal::Other,
+                            };
+                            (signal, message, None)
+                        }
+                        None => (signal, message, None),
+                    },
+                    _ => (signal, message, None),
+                }
+            }
+        };
         let overflow = match signal {
             BodySignal::ContextOverflow => Some(overflow_of(message.as_deref().unwrap_or(""))),
             _ => None,
         };
-        ErrorBody { signal, overflow }
+        ErrorBody {
+            signal,
+            overflow,
+            retry_after,
+        }
     }
 }
 
@@ -114,9 +162,7 @@ fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
         } else if says_server_overloaded(kind, code, e.message.as_deref()) {
             BodySignal::ServerOverloaded
         } else if code == "context_length_exceeded"
-            || e.message
-                .as_deref()
-                .is_some_and(|msg| OVERFLOW_PATTERNS.iter().any(|p| msg.contains(p)))
+            || e.message.as_deref().is_some_and(says_overflow)
         {
             BodySignal::ContextOverflow
         } else {
@@ -191,6 +237,13 @@ fn overflow_of(message: &str) -> Overflow {
             .word("tokens")
             .and_then(|()| p.symbol('>'))
             .and_then(|()| p.number());
+        return Overflow::Prompt { input, limit };
+    }
+    // Google: "The input token count (1200000) exceeds the maximum number of tokens allowed
+    // (1048576)."
+    if let Some(rest) = after(message, "input token count (") {
+        let input = Numbers(rest).number();
+        let limit = after(message, "tokens allowed (").and_then(|r| Numbers(r).number());
         return Overflow::Prompt { input, limit };
     }
     // OpenAI: "This model's maximum context length is 8192 tokens. However, your messages
@@ -342,6 +395,47 @@ mod tests {
         // Anthropic's overload is still its own signal.
         let b = br#"{"type":"error","error":{"type":"overloaded_error","message":"The server is overloaded"}}"#;
         assert_eq!(body_signal(b), BodySignal::Overloaded);
+    }
+
+    #[test]
+    fn cloud_shapes() {
+        // Bedrock: a throttle named in the body, "Too many tokens" included: never an overflow.
+        let b = br#"{"__type":"ThrottlingException","message":"Too many tokens, please wait before trying again."}"#;
+        assert_eq!(body_signal(b), BodySignal::Throttled);
+        assert_eq!(context_overflow(b), None);
+        // Bedrock's message alone says nothing of a throttle (the header does).
+        let b = br#"{"message":"Too many tokens, please wait before trying again."}"#;
+        assert_eq!(body_signal(b), BodySignal::Other);
+        let b = br#"{"message":"Model is not ready for inference.","__type":"com.amazon.coral.service#ModelNotReadyException"}"#;
+        assert_eq!(body_signal(b), BodySignal::Overloaded);
+        let b = br#"{"message":"Input is too long for requested model."}"#;
+        assert_eq!(body_signal(b), BodySignal::ContextOverflow);
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: None,
+                limit: None
+            })
+        );
+        let b = br#"{"message":"Malformed input request","__type":"ValidationException"}"#;
+        assert_eq!(body_signal(b), BodySignal::Other);
+        // Google: a prompt too long (as on a 413), with its numbers; a RetryInfo wait.
+        let b = br#"{"error":{"code":413,"message":"The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}"#;
+        assert_eq!(body_signal(b), BodySignal::ContextOverflow);
+        assert_eq!(
+            context_overflow(b),
+            Some(Overflow::Prompt {
+                input: Some(1_200_000),
+                limit: Some(1_048_576)
+            })
+        );
+        let b = br#"[{"error":{"code":429,"message":"Resource exhausted.","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"17s"}]}}]"#;
+        let parsed = ErrorBody::parse(b);
+        assert_eq!(parsed.signal, BodySignal::Throttled);
+        assert_eq!(parsed.retry_after, Some(Duration::from_secs(17)));
+        // The Anthropic and OpenAI shapes carry no body wait.
+        let b = br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        assert_eq!(ErrorBody::parse(b).retry_after, None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::peek::{Peek, PeekMode, Reply};
 use super::policy::DelayRefused;
 use super::{RetryEvent, RetryPolicy};
 use crate::body::{Held, ReplayBody};
-use crate::classify::{Classification, Classify, FailureClass};
+use crate::classify::{Classification, Classify, FailureClass, Unsendable};
 use crate::error::{
     error_chain, AttemptRecord, BoxError, DeadlineReached, Error, ErrorKind, GiveUpReason,
     RetryTrail, TimedOut, TimeoutKind,
@@ -332,6 +332,17 @@ where
             Verdict::Cancel => Next::Fail(self.cancelled().with_source(e)),
             Verdict::GiveUp(reason) => {
                 let trail = Some(self.finished_trail());
+                // Not sendable as configured: its own kind, over a cause that says what to
+                // change.
+                if c.class() == Some(FailureClass::Unsendable)
+                    && matches!(
+                        reason,
+                        GiveUpReason::NotRetryable | GiveUpReason::NotReplaySafe
+                    )
+                {
+                    let e: BoxError = Box::new(Unsendable::wrap(e));
+                    return Next::Fail(finish_error(ErrorKind::Unsendable, e, trail));
+                }
                 Next::Fail(finish_error(give_up_kind(reason), e, trail))
             }
             // A classifier that calls an error a success still leaves no response to return.

@@ -6,6 +6,7 @@ mod common;
 
 mod bad_input;
 mod body_limits;
+mod cloud;
 mod connections;
 mod deadline;
 mod failover;
