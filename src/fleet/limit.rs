@@ -214,9 +214,8 @@ pub(crate) struct Pacer {
     samples: Mutex<Samples>,
     // What woke it: 0 for nothing (asleep, or pacing from the start), else a cause's index + 1.
     woken_by: AtomicU8,
-    // While dormant: the answers seen, and the recent 429s, each with the count of answers
-    // before it, for the share of refusals a burst shows.
-    answers: AtomicU64,
+    // While dormant: the recent 429s, each with the count of attempts sent before it came,
+    // for the share of refusals a burst shows.
     refusals: Mutex<VecDeque<(Instant, u64)>>,
 }
 
@@ -282,7 +281,6 @@ impl Pacer {
             dormant_sends: AtomicU64::new(0),
             samples: Mutex::new(Samples::default()),
             woken_by: AtomicU8::new(0),
-            answers: AtomicU64::new(0),
             refusals: Mutex::new(VecDeque::new()),
         }
     }
@@ -688,26 +686,22 @@ impl Pacer {
             .store(cause.index() as u8 + 1, Ordering::Release);
     }
 
-    /// An answer came while the pacing was dormant: one atomic add.
-    #[inline]
-    pub(crate) fn dormant_answer(&self) {
-        self.answers.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A `429` came while the pacing was dormant (counted by
-    /// [`dormant_answer`](Pacer::dormant_answer) first): whether the newest `429`s of the
-    /// last [`BURST_WINDOW`] make a burst, at least [`BURST_REFUSALS`] of them and at least a
-    /// [`BURST_SHARE`]th of the answers since the first of them. A steady background of
+    /// A `429` came while the pacing was dormant: whether the newest `429`s of the last
+    /// [`BURST_WINDOW`] make a burst, at least [`BURST_REFUSALS`] of them and at least a
+    /// [`BURST_SHARE`]th of the attempts sent since the first of them came. Attempts sent,
+    /// not answers: refusals come back faster than replies, and would otherwise be all the
+    /// answers of a first moment. A steady background of
     /// random refusals, even at 15 %, does not: over a few dozen answers its share stays
     /// well below a quarter. A server refusing the part of the demand above its limit does.
     pub(crate) fn refusal_burst(&self) -> bool {
         let now = Instant::now();
-        let answers = self.answers.load(Ordering::Relaxed);
+        let sent = self.dormant_sends.load(Ordering::Relaxed);
         let mut r = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
         while r.front().is_some_and(|&(t, _)| t + BURST_WINDOW <= now) {
             r.pop_front();
         }
-        r.push_back((now, answers.saturating_sub(1)));
+        // The refused attempt itself was sent before it came back.
+        r.push_back((now, sent.saturating_sub(1)));
         while r.len() > MAX_BURST_REFUSALS {
             r.pop_front();
         }
@@ -715,7 +709,7 @@ impl Pacer {
         // spell of noise is not diluted by the spell.
         r.iter().rev().enumerate().any(|(i, &(_, before))| {
             let n = i as u64 + 1;
-            n >= BURST_REFUSALS && n * BURST_SHARE >= answers.saturating_sub(before)
+            n >= BURST_REFUSALS && n * BURST_SHARE >= sent.saturating_sub(before)
         })
     }
 
@@ -794,7 +788,7 @@ const MAX_SAMPLES: usize = 64;
 /// The window a dormant pacing looks for a burst of `429`s in.
 const BURST_WINDOW: Duration = Duration::from_secs(10);
 /// The fewest `429`s that make a burst ...
-const BURST_REFUSALS: u64 = 8;
+const BURST_REFUSALS: u64 = 16;
 /// ... and the share of the answers they must be at least one in this many of.
 const BURST_SHARE: u64 = 4;
 /// The most `429`s a burst is measured over.

@@ -38,17 +38,19 @@
 //!
 //! - rate-limit headers saying at most a tenth of the stated request limit is left;
 //! - a `429` whose `Retry-After` is longer than the backoff its retry would take on its own
-//!   (the server asks for more than a retry would give it);
+//!   (the server asks for more than a retry would give it) and than 1 s (what any server
+//!   rounding up to whole seconds says for a token bucket's next token, and random
+//!   refusals say too);
 //! - a `429` whose `Retry-After` is 10 s or more: a quota spent, renewed at its reset;
-//! - a burst of `429`s: at least 8 within 10 s that are at least a quarter of the answers
-//!   since the first of them.
+//! - a burst of `429`s: at least 16 within 10 s that are at least a quarter of the attempts
+//!   sent since the first of them came back.
 //!
 //! Anything else is noise, absorbed by the retries: a `429` without `Retry-After` (or with
-//! one no longer than the backoff) among answers mostly successful, and every overload
+//! one no longer than the backoff) among attempts mostly answered, and every overload
 //! (`529`, OpenAI's `503` overloaded), which is the server's state, not this client's limit
 //! (the budget and the gate shed load already). An overload neither wakes the pacing nor,
 //! once awake, slows it. Random refusals at a steady few percent, even 15 %, stay well below
-//! a quarter of the answers; a server refusing the part of the demand above its limit
+//! a quarter of the attempts; a server refusing the part of the demand above its limit
 //! refuses far more. A pacing once woken stays awake, slowed by each round of `429`s and
 //! growing back with the successes.
 //!
@@ -75,9 +77,10 @@
 //! is one atomic load, a dormant pacing a load and an atomic add. In the storm bench they turn S1 (1,000 clients against a token
 //! bucket) from 5.4 % success at 22 attempts per success into 100 % at 1.01, lose nothing in
 //! S4 (an outage) and S5 (random `503`s, no limit), and at the knee (S6, demand at the
-//! limit) keep goodput (0.978 C against 0.977 C) and succeed for every request where the
-//! budget alone fails 0.6 % (its p99 is 5.5 s, against 2.0 s for the requests the budget
-//! alone gets through). The earlier defaults, the budget alone and one state:
+//! limit) keep goodput (0.979 C against 0.977 C) and succeed for every request where the
+//! budget alone fails 0.6 % (its p99 is 5.0 s, against 2.0 s for the requests the budget
+//! alone gets through); with random `429`s and overloads at 3 % and 8 % and no limit, they
+//! keep all the goodput of the same run with pacing off. The earlier defaults, the budget alone and one state:
 //!
 //! ```
 //! use tower_llm_retry::fleet::Fleet;
@@ -842,22 +845,19 @@ impl Fleet {
         // state theirs on every answer, and a client well within it is not to be slowed), but
         // a window nearly spent does: at most a tenth of the limit left.
         if let Some(pacer) = self.pacer() {
-            if !pacer.is_awake() {
-                pacer.dormant_answer();
-                if head.status == StatusCode::TOO_MANY_REQUESTS {
-                    let wait = retry_after.map(|w| w.min(ceiling));
-                    let cause = if wait.is_some_and(|w| w >= limit::MIN_INFORMED_WAIT) {
-                        Some(PacingWake::QuotaReset)
-                    } else if wait.is_some_and(|w| w > limits.backoff) {
-                        Some(PacingWake::LongRetryAfter)
-                    } else if pacer.refusal_burst() {
-                        Some(PacingWake::RefusalShare)
-                    } else {
-                        None
-                    };
-                    if let Some(cause) = cause {
-                        pacer.wake_on_refusal(wait, cause);
-                    }
+            if !pacer.is_awake() && head.status == StatusCode::TOO_MANY_REQUESTS {
+                let wait = retry_after.map(|w| w.min(ceiling));
+                let cause = if wait.is_some_and(|w| w >= limit::MIN_INFORMED_WAIT) {
+                    Some(PacingWake::QuotaReset)
+                } else if wait.is_some_and(|w| w > limits.backoff.max(WHOLE_SECOND)) {
+                    Some(PacingWake::LongRetryAfter)
+                } else if pacer.refusal_burst() {
+                    Some(PacingWake::RefusalShare)
+                } else {
+                    None
+                };
+                if let Some(cause) = cause {
+                    pacer.wake_on_refusal(wait, cause);
                 }
             }
             if let Some(limit) = counts.limit() {
@@ -931,6 +931,10 @@ impl std::fmt::Debug for Fleet {
         d.finish()
     }
 }
+
+/// The `Retry-After` any server that rounds up to whole seconds sends for a token bucket's
+/// next token, and random refusals send too: no evidence of a limit on its own.
+const WHOLE_SECOND: Duration = Duration::from_secs(1);
 
 /// Whether the wait a response asks for is an HTTP-date (`retry-after` with no
 /// `retry-after-ms` before it, and not a number of seconds).

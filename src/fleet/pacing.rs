@@ -179,10 +179,10 @@ impl PacingConfig {
     /// Whether the pacing sleeps until the server first signals a rate limit.
     ///
     /// Dormant, it limits nothing: attempts leave as they come, and the pacing only counts
-    /// them (one atomic add per attempt and per answer, and a timestamp every 16th). It wakes
+    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes
     /// only on evidence of a limit the scope's own rate meets ([`PacingWake`]; see
     /// [the rule](crate::fleet#noise-or-a-limit)): a burst of `429`s, a `429` whose
-    /// `Retry-After` is longer than the retry's own backoff, or when the server says its
+    /// `Retry-After` is longer than the retry's own backoff and 1 s, or when the server says its
     /// request window is nearly spent. A random `429`, an overload (`529`, a `503`
     /// overloaded) or another `5xx` does not wake it, and an overload does not slow it once
     /// awake.
@@ -284,13 +284,15 @@ impl PacingConfig {
 pub enum PacingWake {
     /// Rate-limit headers said at most a tenth of the stated request limit is left.
     RateLimitHeaders,
-    /// A `429` whose `Retry-After` is longer than the retry's own backoff would have been.
+    /// A `429` whose `Retry-After` is longer than the retry's own backoff would have been,
+    /// and than 1 s.
     LongRetryAfter,
     /// A `429` whose `Retry-After` of 10 s or more speaks of a quota spent, renewed when the
     /// wait is over.
     QuotaReset,
-    /// A burst of `429`s: at least 8 within a second, and at least a quarter of the answers
-    /// since the first of them, well above the background share of random refusals.
+    /// A burst of `429`s: at least 16 within 10 s, and at least a quarter of the attempts sent
+    /// since the first of them came back, well above the background share of random
+    /// refusals.
     RefusalShare,
 }
 

@@ -1713,6 +1713,13 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
 // The defaults: the gate, a dormant pacing, a state per scope.
 
 /// The default policy without jitter, and no spread at the gate.
+/// A `429` asking for 1.5 s: longer than the first retry's own backoff (500 ms) and than
+/// the whole second random refusals and a token bucket's next token say, under the default
+/// gate's 2 s.
+fn limited_for_1500_ms() -> Reply {
+    Reply::status(429).header("retry-after-ms", "1500")
+}
+
 fn exact() -> RetryPolicy {
     no_jitter().random(Random::from_fn(|| 0.0))
 }
@@ -1895,13 +1902,14 @@ async fn a_stated_limit_paces_the_default_fleet_only_once_its_window_is_nearly_s
 
 #[tokio::test(start_paused = true)]
 async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
-    // 400 successes, then one 429 whose Retry-After of 1 s, longer than the retry's own
-    // backoff (500 ms), shows a limit (under 2 s, the gate stays open), then successes.
+    // 400 successes, then one 429 whose Retry-After of 1.5 s, longer than the retry's own
+    // backoff (500 ms) and than a whole second, shows a limit (under 2 s, the gate stays
+    // open), then successes.
     let mut script = Script::new();
     for _ in 0..400 {
         script = script.then(Reply::success());
     }
-    let server = MockServer::start(script.then(Reply::rate_limited("1")))
+    let server = MockServer::start(script.then(limited_for_1500_ms()))
         .await
         .unwrap();
     let fleet = Fleet::default();
@@ -1923,7 +1931,7 @@ async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
     let pace = scope.pace().unwrap();
     assert!((pace - 100.0).abs() < 2.0, "{pace}");
     // From now on attempts leave 1 / pace apart: a burst of 20 (and the 429's retry, which
-    // comes 1 s after it) is spaced.
+    // comes 1.5 s after it) is spaced.
     let origin = Instant::now();
     for _ in 0..20 {
         tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
@@ -1996,7 +2004,7 @@ async fn random_503s_neither_wake_nor_slow_the_default_pacing() {
 
     // Woken by a 429 with a Retry-After longer than the backoff, then 503s on paced
     // attempts: the pace does not move.
-    server.push(Reply::rate_limited("1"));
+    server.push(limited_for_1500_ms());
     let res = svc
         .clone()
         .oneshot(with_key(&url, "sk-ant-key-a"))
@@ -2088,13 +2096,13 @@ async fn random_429s_and_overloads_do_not_hold_healthy_requests_a_burst_of_429s_
     assert_eq!(fleet.paced_scopes(), 0);
     assert!(fleet.pacing_wakes().unwrap().iter().all(|(_, n)| *n == 0));
 
-    // Now the server refuses ten in a row, all it is sent: the scope meets a limit.
+    // Now the server refuses twenty in a row, all it is sent: the scope meets a limit.
     noisy.store(false, Ordering::SeqCst);
-    for _ in 0..10 {
+    for _ in 0..20 {
         server.push(Reply::status(429));
     }
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..10 {
+    for _ in 0..20 {
         tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
     }
     while let Some(res) = tasks.join_next().await {
@@ -2162,7 +2170,7 @@ async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own
 
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_pacing() {
-    let server = MockServer::start(Script::new().then(Reply::rate_limited("1")))
+    let server = MockServer::start(Script::new().then(limited_for_1500_ms()))
         .await
         .unwrap();
     let fleet = Fleet::default();
@@ -2190,8 +2198,8 @@ async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_paci
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(Instant::now() - origin, Duration::ZERO);
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
-    // The retry after its own Retry-After of 1 s.
-    assert_eq!(arrivals(&server, origin)[2], Duration::from_secs(1));
+    // The retry after its own Retry-After of 1.5 s.
+    assert_eq!(arrivals(&server, origin)[2], Duration::from_millis(1_500));
 }
 
 /// The read-outs of the default fleet (the one `RetryLayer::new()` builds, kept per scope)

@@ -370,13 +370,13 @@ async fn random_429s_do_not_hold_a_tenants_healthy_requests() {
         Some("0")
     );
 
-    // Ten refused in a row, all the tenant sends: a limit its rate meets.
+    // Twenty refused in a row, all the tenant sends: a limit its rate meets.
     noisy.store(false, Ordering::SeqCst);
-    for _ in 0..10 {
+    for _ in 0..20 {
         h.mock.push(Reply::status(429));
     }
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..10 {
+    for _ in 0..20 {
         let h = h.clone();
         tasks.spawn(async move { h.send(from("sk-A", &h)).await.status() });
     }
