@@ -29,6 +29,10 @@
 //!   `retry-after`), offered exactly `C` on average: each client starts a request at
 //!   exponential intervals of mean 10 s (at once, when its last one took longer), so the
 //!   arrivals are Poisson at 100/s and now and then outrun the bucket. 10 simulated minutes.
+//! - **Noise**: S5's server and load; 3 %, 8 % or 15 % of the answers refused at random, half
+//!   `429`, half `529`, with `retry-after: 1` or without. Only `default` is run, against the
+//!   same run with pacing off; printed beside `storm.json`. `STORM_ONLY=noise` runs these
+//!   rows alone.
 //!
 //! Besides the table, S1 and S2 report the peak after the first refusal: in S2 the first
 //! window admits everything, so until its quota runs out the fleet's demand (1,000 clients
@@ -51,8 +55,9 @@
 //!   default: default policy, retry budget on, cooldown gate and pacing off, one state
 //!   (`Fleet::builder().cooldown_gate(None).pacing(None).per_scope(false)`).
 //! - `default`: `RetryLayer::new()` as shipped: default policy, retry budget, the cooldown
-//!   gate for a `Retry-After` of 2 s or more, a dormant pacing (no pacing until the first
-//!   `429` / `529` or stated limit, then from the rate measured over the last second, with
+//!   gate for a `Retry-After` of 2 s or more, a dormant pacing (no pacing until evidence of a
+//!   limit the client's rate meets: a burst of `429`s, a long `Retry-After`, headers saying
+//!   little is left; then from the rate measured over the last second, with
 //!   a burst of 1 s), a state per scope.
 //! - `default_gate_budget`: the budget with the cooldown gate and the adaptive pacing as
 //!   configured explicitly (`GateConfig::new().min_close(Duration::ZERO)`,
@@ -109,6 +114,9 @@ enum Scenario {
     /// S2 with the rate-limit headers real APIs send on every answer. Not one of the
     /// scenarios of `storm.json`: reported beside it.
     S2Headers,
+    /// Noise: S5's load and capacity, a share (in %) of the answers refused at random, half
+    /// `429`, half `529`, with `retry-after: 1` or without. Reported beside `storm.json`.
+    Noise(u8, bool),
 }
 
 impl Scenario {
@@ -128,13 +136,20 @@ impl Scenario {
             Scenario::S4 => "S4",
             Scenario::S5 => "S5",
             Scenario::S6 => "S6",
+            Scenario::Noise(3, false) => "noise 3 %",
+            Scenario::Noise(8, false) => "noise 8 %",
+            Scenario::Noise(15, false) => "noise 15 %",
+            Scenario::Noise(3, true) => "noise 3 % + retry-after",
+            Scenario::Noise(8, true) => "noise 8 % + retry-after",
+            Scenario::Noise(15, true) => "noise 15 % + retry-after",
+            Scenario::Noise(..) => "noise",
         }
     }
 
     fn seconds(self) -> u64 {
         match self {
             Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 600,
-            Scenario::S4 | Scenario::S5 => 240,
+            Scenario::S4 | Scenario::S5 | Scenario::Noise(..) => 240,
         }
     }
 
@@ -144,7 +159,7 @@ impl Scenario {
         match self {
             Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 100.0,
             Scenario::S4 => 500.0,
-            Scenario::S5 => 1_000.0,
+            Scenario::S5 | Scenario::Noise(..) => 1_000.0,
         }
     }
 
@@ -152,7 +167,7 @@ impl Scenario {
     /// next request as soon as the last one ends); in S6 the mean of exponential gaps.
     fn period(self) -> Option<Duration> {
         match self {
-            Scenario::S4 | Scenario::S5 => Some(S4_PERIOD),
+            Scenario::S4 | Scenario::S5 | Scenario::Noise(..) => Some(S4_PERIOD),
             Scenario::S6 => Some(S6_PERIOD),
             _ => None,
         }
@@ -168,6 +183,9 @@ enum Policy {
     OldDefault,
     Default,
     DefaultGateBudget,
+    /// The default with pacing off: what the noise rows are measured against. Not one of
+    /// [`Policy::ALL`].
+    DefaultNoPacing,
 }
 
 impl Policy {
@@ -190,6 +208,7 @@ impl Policy {
             Policy::OldDefault => "old_default",
             Policy::Default => "default",
             Policy::DefaultGateBudget => "default_gate_budget",
+            Policy::DefaultNoPacing => "default_no_pacing",
         }
     }
 
@@ -202,6 +221,7 @@ impl Policy {
             Policy::OldDefault => "#17becf",
             Policy::Default => "#1f77b4",
             Policy::DefaultGateBudget => "#2ca02c",
+            Policy::DefaultNoPacing => "#8c564b",
         }
     }
 }
@@ -221,6 +241,12 @@ enum Limiter {
     Outage,
     /// S5: no limit; a share of the answers fail at random.
     Flaky(Box<StdRng>),
+    /// Noise: no limit; a share of the answers refused at random, `429` or `529`.
+    Noise {
+        rng: Box<StdRng>,
+        share: f64,
+        retry_after: Option<u64>,
+    },
 }
 
 /// What the server answers one attempt.
@@ -293,6 +319,11 @@ impl Sim {
             },
             Scenario::S4 => Limiter::Outage,
             Scenario::S5 => Limiter::Flaky(Box::new(StdRng::seed_from_u64(seed ^ 0x5eed_0503))),
+            Scenario::Noise(percent, retry_after) => Limiter::Noise {
+                rng: Box::new(StdRng::seed_from_u64(seed ^ 0x5eed_0429)),
+                share: f64::from(percent) / 100.0,
+                retry_after: retry_after.then_some(1),
+            },
         };
         let secs = scenario.seconds() as usize + 1;
         Arc::new(Sim {
@@ -382,6 +413,21 @@ impl Sim {
             Limiter::Flaky(rng) => {
                 if rng.random::<f64>() < S5_FAILURES {
                     Reply::refused(StatusCode::SERVICE_UNAVAILABLE, None)
+                } else {
+                    Reply::ok()
+                }
+            }
+            Limiter::Noise {
+                rng,
+                share,
+                retry_after,
+            } => {
+                let draw = rng.random::<f64>();
+                if draw < *share / 2.0 {
+                    Reply::refused(StatusCode::TOO_MANY_REQUESTS, *retry_after)
+                } else if draw < *share {
+                    let overloaded = StatusCode::from_u16(529).expect("a valid status");
+                    Reply::refused(overloaded, *retry_after)
                 } else {
                     Reply::ok()
                 }
@@ -588,6 +634,12 @@ impl Runner {
             Policy::Default => Runner::Layer(
                 RetryLayer::new()
                     .policy(ours())
+                    .layer(SimService(sim.clone())),
+            ),
+            Policy::DefaultNoPacing => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .fleet(Fleet::builder().pacing(None).build())
                     .layer(SimService(sim.clone())),
             ),
             Policy::DefaultGateBudget => Runner::Layer(
@@ -1009,11 +1061,45 @@ fn svg(outcomes: &[Outcome]) -> String {
     s
 }
 
+/// The noise rows: the default against the same run with pacing off.
+fn noise(seed: u64) -> String {
+    let mut out = String::from(
+        "| scenario | goodput (C) | vs pacing off | attempts / success | p50 (s) | p99 (s) | pacing off: goodput, attempts / success, p50, p99 |\n|---|---|---|---|---|---|---|\n",
+    );
+    for retry_after in [false, true] {
+        for percent in [3, 8, 15] {
+            let scenario = Scenario::Noise(percent, retry_after);
+            let on = simulate(scenario, Policy::Default, seed);
+            let off = simulate(scenario, Policy::DefaultNoPacing, seed);
+            let _ = writeln!(
+                out,
+                "| {} | {:.3} | {:.3} | {} | {} | {} | {:.3}, {}, {}, {} |",
+                scenario.name(),
+                on.goodput,
+                on.goodput / off.goodput,
+                cell(on.attempts_per_success, 3),
+                cell(on.p50, 2),
+                cell(on.p99, 2),
+                off.goodput,
+                cell(off.attempts_per_success, 3),
+                cell(off.p50, 2),
+                cell(off.p99, 2),
+            );
+        }
+    }
+    out
+}
+
 fn main() {
     let seed = std::env::var("STORM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(SEED);
+    // `STORM_ONLY=noise`: the noise rows alone.
+    if std::env::var("STORM_ONLY").is_ok_and(|v| v == "noise") {
+        println!("{}", noise(seed));
+        return;
+    }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut outcomes = Vec::new();
     for scenario in Scenario::ALL {
@@ -1038,6 +1124,9 @@ fn main() {
         .map(|policy| simulate(Scenario::S2Headers, policy, seed))
         .collect();
     println!("{}", table(&with_headers, &[Scenario::S2Headers]));
+    // Random refusals at a few percent, capacity well above demand: the default's goodput
+    // against the same run with pacing off.
+    println!("{}", noise(seed));
     for o in outcomes
         .iter()
         .chain(&with_headers)

@@ -1,6 +1,7 @@
 //! Prometheus metrics, one registry per proxy (so several proxies in one process, as in the
 //! tests, never share counters), rendered at `/metrics`.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -68,6 +69,12 @@ struct ResumeOutcome {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Wake {
+    upstream: String,
+    cause: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Rejected {
     reason: String,
 }
@@ -98,6 +105,9 @@ pub struct Metrics {
     in_flight: Gauge,
     buffered_body_bytes: Gauge,
     circuit_state: Family<TargetLabel, Gauge>,
+    paced_scopes: Family<Up, Gauge>,
+    pacing_rate: Family<Up, Gauge<f64, AtomicU64>>,
+    pacing_wakes: Family<Wake, Counter>,
     /// The upstreams' fleets, whose own counters some metrics read when rendered.
     fleets: Mutex<Vec<(Up, Fleet)>>,
     /// The fallback layers with circuits, read when rendered: each with the label of every
@@ -138,6 +148,9 @@ impl Metrics {
             in_flight: Gauge::default(),
             buffered_body_bytes: Gauge::default(),
             circuit_state: Family::default(),
+            paced_scopes: Family::default(),
+            pacing_rate: Family::default(),
+            pacing_wakes: Family::default(),
             fleets: Mutex::new(Vec::new()),
             circuits: Mutex::new(Vec::new()),
         };
@@ -214,6 +227,21 @@ impl Metrics {
             "The circuit of each fallback target (upstream/model): 0 closed, 1 half-open, 2 open",
             m.circuit_state.clone(),
         );
+        r.register(
+            "paced_scopes",
+            "Tenants of an upstream whose pacing is awake: it saw evidence of a rate limit their own rate meets",
+            m.paced_scopes.clone(),
+        );
+        r.register(
+            "pacing_rate",
+            "The pacing rates of an upstream's awake tenants, summed, in requests per second",
+            m.pacing_rate.clone(),
+        );
+        r.register(
+            "pacing_wakes",
+            "Times a tenant's dormant pacing woke, by cause (rate_limit_headers, long_retry_after, quota_reset, refusal_share)",
+            m.pacing_wakes.clone(),
+        );
         m
     }
 
@@ -254,6 +282,24 @@ impl Metrics {
                     let seen = counter.get();
                     if closings > seen {
                         counter.inc_by(closings - seen);
+                    }
+                }
+                if let Some(wakes) = fleet.pacing_wakes() {
+                    self.paced_scopes
+                        .get_or_create(up)
+                        .set(i64::try_from(fleet.paced_scopes()).unwrap_or(i64::MAX));
+                    self.pacing_rate
+                        .get_or_create(up)
+                        .set(fleet.pace().unwrap_or(0.0));
+                    for (cause, n) in wakes {
+                        let counter = self.pacing_wakes.get_or_create(&Wake {
+                            upstream: up.upstream.clone(),
+                            cause: cause.as_str().into(),
+                        });
+                        let seen = counter.get();
+                        if n > seen {
+                            counter.inc_by(n - seen);
+                        }
                     }
                 }
             }

@@ -5,14 +5,14 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::f64::consts::LN_2;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::task::Waker;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::pacing::{PacingConfig, MIN_RATE};
+use super::pacing::{PacingConfig, PacingWake, MIN_RATE};
 
 struct State {
     rate: f64,
@@ -212,6 +212,11 @@ pub(crate) struct Pacer {
     // While dormant: the attempts sent, and samples of that count, for the rate to wake at.
     dormant_sends: AtomicU64,
     samples: Mutex<Samples>,
+    // What woke it: 0 for nothing (asleep, or pacing from the start), else a cause's index + 1.
+    woken_by: AtomicU8,
+    // While dormant: the recent 429s, each with the count of attempts sent before it came,
+    // for the share of refusals a burst shows.
+    refusals: Mutex<VecDeque<(Instant, u64)>>,
 }
 
 impl fmt::Debug for Pacer {
@@ -275,6 +280,8 @@ impl Pacer {
             awake: AtomicBool::new(!config.dormant),
             dormant_sends: AtomicU64::new(0),
             samples: Mutex::new(Samples::default()),
+            woken_by: AtomicU8::new(0),
+            refusals: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -475,7 +482,7 @@ impl Pacer {
         }
     }
 
-    /// A refusal (`429`, `529`, an overload) of an attempt sent in `epoch`, with the server's
+    /// A refusal (`429`) of an attempt sent in `epoch`, with the server's
     /// Retry-After if it gave one.
     ///
     /// A long Retry-After says more than "slower": it is a quota spent, to be renewed when
@@ -665,10 +672,51 @@ impl Pacer {
         s.since = since.or(s.since);
     }
 
-    /// A dormant pacing wakes on a refusal for load (`429`, `529`) with the server's
+    /// What woke the pacing, if it was dormant and woke.
+    pub(crate) fn woken_by(&self) -> Option<PacingWake> {
+        match self.woken_by.load(Ordering::Acquire) {
+            0 => None,
+            n => PacingWake::ALL.get(usize::from(n) - 1).copied(),
+        }
+    }
+
+    fn set_woken_by(&self, cause: PacingWake) {
+        // The index is below 4.
+        self.woken_by
+            .store(cause.index() as u8 + 1, Ordering::Release);
+    }
+
+    /// A `429` came while the pacing was dormant: whether the newest `429`s of the last
+    /// [`BURST_WINDOW`] make a burst, at least [`BURST_REFUSALS`] of them and at least a
+    /// [`BURST_SHARE`]th of the attempts sent since the first of them came. Attempts sent,
+    /// not answers: refusals come back faster than replies, and would otherwise be all the
+    /// answers of a first moment. A steady background of
+    /// random refusals, even at 15 %, does not: over a few dozen answers its share stays
+    /// well below a quarter. A server refusing the part of the demand above its limit does.
+    pub(crate) fn refusal_burst(&self) -> bool {
+        let now = Instant::now();
+        let sent = self.dormant_sends.load(Ordering::Relaxed);
+        let mut r = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
+        while r.front().is_some_and(|&(t, _)| t + BURST_WINDOW <= now) {
+            r.pop_front();
+        }
+        // The refused attempt itself was sent before it came back.
+        r.push_back((now, sent.saturating_sub(1)));
+        while r.len() > MAX_BURST_REFUSALS {
+            r.pop_front();
+        }
+        // The newest `n` of them, for every `n` from the fewest that count: a burst after a
+        // spell of noise is not diluted by the spell.
+        r.iter().rev().enumerate().any(|(i, &(_, before))| {
+            let n = i as u64 + 1;
+            n >= BURST_REFUSALS && n * BURST_SHARE >= sent.saturating_sub(before)
+        })
+    }
+
+    /// A dormant pacing wakes on a `429` that shows a limit (`cause`) with the server's
     /// `retry_after`: from the rate measured over the last second, as if slow start had
     /// reached it, the refusal then taken as slow start's end. No-op once awake.
-    pub(crate) fn wake_on_refusal(&self, retry_after: Option<Duration>) {
+    pub(crate) fn wake_on_refusal(&self, retry_after: Option<Duration>, cause: PacingWake) {
         if self.is_awake() {
             return;
         }
@@ -690,11 +738,12 @@ impl Pacer {
             // The turns start from now: no credit of turns not taken while it slept.
             s.next_time = Some(Instant::now());
             self.wake_counts(&mut s);
+            self.set_woken_by(cause);
             self.awake.store(true, Ordering::Release);
             s.epoch
         };
         self.on_refusal(epoch, retry_after);
-        tracing::debug!(rate = self.rate(), "pacing woken by a refusal for load");
+        tracing::debug!(rate = self.rate(), %cause, "pacing woken by a rate limit");
     }
 }
 
@@ -717,6 +766,7 @@ impl Pacer {
         s.slow_start = false;
         s.next_time = Some(Instant::now());
         self.wake_counts(&mut s);
+        self.set_woken_by(PacingWake::RateLimitHeaders);
         self.awake.store(true, Ordering::Release);
         drop(s);
         tracing::debug!(rate = cap, "pacing woken by a nearly spent request limit");
@@ -735,8 +785,17 @@ const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 /// The most timestamps kept (at one per [`SAMPLE_SPACING`], a window holds about 20).
 const MAX_SAMPLES: usize = 64;
 
+/// The window a dormant pacing looks for a burst of `429`s in.
+const BURST_WINDOW: Duration = Duration::from_secs(10);
+/// The fewest `429`s that make a burst ...
+const BURST_REFUSALS: u64 = 16;
+/// ... and the share of the answers they must be at least one in this many of.
+const BURST_SHARE: u64 = 4;
+/// The most `429`s a burst is measured over.
+const MAX_BURST_REFUSALS: usize = 64;
+
 /// The shortest Retry-After that informs the rate.
-const MIN_INFORMED_WAIT: Duration = Duration::from_secs(10);
+pub(super) const MIN_INFORMED_WAIT: Duration = Duration::from_secs(10);
 /// The longest Retry-After taken into the rate it implies.
 const MAX_INFORMED_WAIT: Duration = Duration::from_secs(300);
 /// How much the rate may grow per quota cycle after a quota signal.

@@ -20,14 +20,39 @@
 //! - **Adaptive pacing** ([`PacingConfig`], on by default and [dormant](PacingConfig::dormant)
 //!   until the server signals a rate limit): attempts leave evenly spaced, in
 //!   arrival order, at a rate learned from the answers: slow start until the first refusal,
-//!   then a small increase per success and a multiplicative decrease per `429` or overload;
+//!   then a small increase per success and a multiplicative decrease per `429`;
 //!   a long `Retry-After` is read as a quota and sets the rate that spreads it over its
-//!   cycle. A fleet whose requests start together otherwise comes back together, and a
+//!   cycle. It wakes only on evidence of a limit the scope's own rate meets
+//!   ([below](#noise-or-a-limit)). A fleet whose requests start together otherwise comes back together, and a
 //!   server's limiter refuses the part of every burst above its capacity even when the
 //!   average fits. An attempt waits in line no longer than its policy's Retry-After
 //!   ceiling or its deadline
 //!   ([`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong)), and a head of
 //!   the line that is not polled does not hold up the others.
+//!
+//! # Noise or a limit
+//!
+//! A dormant pacing slows a scope only on evidence that the scope's own rate meets a limit,
+//! one of ([`PacingWake`], read back with [`Fleet::pacing_state`], [`Fleet::paced_scopes`]
+//! and [`Fleet::pacing_wakes`]):
+//!
+//! - rate-limit headers saying at most a tenth of the stated request limit is left;
+//! - a `429` whose `Retry-After` is longer than the backoff its retry would take on its own
+//!   (the server asks for more than a retry would give it) and than 1 s (what any server
+//!   rounding up to whole seconds says for a token bucket's next token, and random
+//!   refusals say too);
+//! - a `429` whose `Retry-After` is 10 s or more: a quota spent, renewed at its reset;
+//! - a burst of `429`s: at least 16 within 10 s that are at least a quarter of the attempts
+//!   sent since the first of them came back.
+//!
+//! Anything else is noise, absorbed by the retries: a `429` without `Retry-After` (or with
+//! one no longer than the backoff) among attempts mostly answered, and every overload
+//! (`529`, OpenAI's `503` overloaded), which is the server's state, not this client's limit
+//! (the budget and the gate shed load already). An overload neither wakes the pacing nor,
+//! once awake, slows it. Random refusals at a steady few percent, even 15 %, stay well below
+//! a quarter of the attempts; a server refusing the part of the demand above its limit
+//! refuses far more. A pacing once woken stays awake, slowed by each round of `429`s and
+//! growing back with the successes.
 //!
 //! # Sharing
 //!
@@ -44,17 +69,18 @@
 //! [`RetryLayer::new`](crate::RetryLayer::new) builds for itself) has the budget, the gate
 //! (for a `Retry-After` of 2 s or more), a dormant pacing with a burst of 1 s, and a state
 //! per scope. Where no limit is met that costs nothing but the bookkeeping: the gate is
-//! open, the pacing limits nothing until the server signals a rate limit (a `429` or `529`,
-//! or a stated request limit; a random `503` is none), and then starts from the rate it
+//! open, the pacing limits nothing until the server shows a limit the scope's rate meets
+//! ([evidence](#noise-or-a-limit), not a random `429` or an overload), and then starts from the rate it
 //! measured over the last second. On the success path, in memory, the defaults cost about
 //! 400 instructions a request more than the budget alone (the scope's hash and lookup, the
 //! rate-limit headers read on the answer when the pacing or the gate uses them); an open gate
 //! is one atomic load, a dormant pacing a load and an atomic add. In the storm bench they turn S1 (1,000 clients against a token
 //! bucket) from 5.4 % success at 22 attempts per success into 100 % at 1.01, lose nothing in
 //! S4 (an outage) and S5 (random `503`s, no limit), and at the knee (S6, demand at the
-//! limit) keep goodput (0.978 C against 0.977 C) and succeed for every request where the
-//! budget alone fails 0.6 % (its p99 is 5.5 s, against 2.0 s for the requests the budget
-//! alone gets through). The earlier defaults, the budget alone and one state:
+//! limit) keep goodput (0.979 C against 0.977 C) and succeed for every request where the
+//! budget alone fails 0.6 % (its p99 is 5.0 s, against 2.0 s for the requests the budget
+//! alone gets through); with random `429`s and overloads at 3 % and 8 % and no limit, they
+//! keep all the goodput of the same run with pacing off. The earlier defaults, the budget alone and one state:
 //!
 //! ```
 //! use tower_llm_retry::fleet::Fleet;
@@ -77,7 +103,7 @@
 //! | cooldown gate | on, for a `Retry-After` of 2 s or more (a shorter one, a token bucket's next token, is left to the pacing) | [`FleetBuilder::cooldown_gate`] with a [`GateConfig`] (`GateConfig::new().min_close(Duration::ZERO)`: every `Retry-After` closes it), or `None` to turn it off |
 //! | gate: what closes it | a `429` or `529` with a `Retry-After`, for that wait (at most the request's `retry_after_max`; not one above it that the policy ignores, [`AboveCeiling::UseBackoff`](crate::retry::AboveCeiling::UseBackoff)); rate-limit headers saying no request is left, until their reset | [`GateConfig::min_close`] (2 s by default; zero: every `Retry-After` closes it), [`GateConfig::rate_limit_headers`] (default on) |
 //! | gate: spread on reopening | each waiter adds a random extra in `[0, min(50 % × announced wait, 30 s)]`, from the policy's [`Random`] | [`GateConfig::spread`] |
-//! | adaptive pacing | on, dormant: it limits nothing until the server's first `429` or `529` (a `5xx` without it neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit; a response saying at most a tenth of the stated limit is left wakes it at the limit | [`FleetBuilder::pacing`] with a [`PacingConfig`] ([`PacingConfig::dormant`]`(false)` paces from the first attempt), or `None` to turn it off |
+//! | adaptive pacing | on, dormant: it limits nothing until the server shows a limit the scope's rate meets ([evidence](#noise-or-a-limit): a burst of `429`s, a `Retry-After` longer than the backoff, a quota, headers saying little is left; an overload or a `5xx` neither wakes nor slows it, and a stated request limit, which the providers send on every answer, only caps it for when it wakes); woken by a refusal, it starts from the rate measured over the last second, halved as at the end of slow start but not below 50/s and not above a stated limit; a response saying at most a tenth of the stated limit is left wakes it at the limit | [`FleetBuilder::pacing`] with a [`PacingConfig`] ([`PacingConfig::dormant`]`(false)` paces from the first attempt), or `None` to turn it off |
 //! | pacing: rate | starts at 50 requests/s (when not dormant), kept within 1 and 10,000 (a stated limit may cap it lower); slow start doubles it every second until the first refusal | [`PacingConfig::rates`] |
 //! | pacing: burst | 1 s (after a quiet spell, up to `rate × 1 s` attempts leave at once) | [`PacingConfig::burst`] |
 //! | pacing: on a `429` or overload | ×0.95, once per round; the first refusal, which ends slow start, at least halves it | [`PacingConfig::decrease`] |
@@ -260,7 +286,7 @@ use tokio::time::Instant;
 pub use self::budget::BudgetConfig;
 pub use self::gate::GateConfig;
 pub(crate) use self::gate::{GateWait, PastDeadline};
-pub use self::pacing::PacingConfig;
+pub use self::pacing::{PacingConfig, PacingWake};
 #[cfg(feature = "fleet-redis")]
 pub use self::redis::{RedisFleet, RedisState};
 pub use self::scope::ScopeKey;
@@ -285,6 +311,9 @@ pub(crate) struct Limits<'a> {
     /// official SDKs do), so the fleet does not take it as a wait either.
     pub(crate) ignores_above_ceiling: bool,
     pub(crate) random: &'a Random,
+    /// The backoff (un-jittered) the retry of the attempt answered would take on its own: a
+    /// `Retry-After` longer than that is a limit's, not noise's.
+    pub(crate) backoff: Duration,
 }
 
 /// The fleet state that requests on one key share: the retry budget, the cooldown gate and
@@ -650,6 +679,49 @@ impl Fleet {
         Some(sum)
     }
 
+    /// Whether this state's pacing paces, and why, when pacing is on: `None` while it is
+    /// dormant, `Some(None)` when it paces from the start
+    /// ([`dormant(false)`](PacingConfig::dormant)), `Some(Some(cause))` once the evidence of a
+    /// limit woke it. A scope's handle reads its own; a fleet kept per scope, its own state's
+    /// (see [`paced_scopes`](Fleet::paced_scopes) for its scopes). The rate is
+    /// [`pace`](Fleet::pace).
+    pub fn pacing_state(&self) -> Option<Option<PacingWake>> {
+        let pacer = self.pacer()?;
+        pacer.is_awake().then(|| pacer.woken_by())
+    }
+
+    /// How many states pace now (their pacing is on and awake): the fleet's own and, of a
+    /// fleet kept per scope, its scopes'. 0 when pacing is off.
+    pub fn paced_scopes(&self) -> usize {
+        let mut n = usize::from(self.pacer().is_some_and(|p| p.is_awake()));
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(|f| n += usize::from(f.pacer().is_some_and(|p| p.is_awake())));
+        }
+        n
+    }
+
+    /// How many times a dormant pacing woke, by cause, in the order of [`PacingWake::ALL`],
+    /// when pacing is on: over every scope of a fleet kept per scope, those dropped to make
+    /// room included (a scope's handle reads its own). A pacing wakes once.
+    pub fn pacing_wakes(&self) -> Option<[(PacingWake, u64); 4]> {
+        self.pacer()?;
+        let mut sum = self
+            .inner
+            .scopes
+            .as_ref()
+            .map_or([0; 4], |s| s.retired_pacing_wakes());
+        let mut add = |f: &Fleet| {
+            if let Some(cause) = f.pacer().and_then(|p| p.woken_by()) {
+                sum[cause.index()] += 1;
+            }
+        };
+        add(self);
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(&mut add);
+        }
+        Some(std::array::from_fn(|i| (PacingWake::ALL[i], sum[i])))
+    }
+
     /// The state of the link to Redis, when the fleet has a Redis store.
     #[cfg(feature = "fleet-redis")]
     pub fn redis_state(&self) -> Option<RedisState> {
@@ -778,17 +850,25 @@ impl Fleet {
             true => crate::provider::ratelimit::RequestCounts::read(&head.headers),
             false => crate::provider::ratelimit::RequestCounts::default(),
         };
-        // Pacing: a refusal for load wakes a dormant pacing (a 5xx without it does not); a
-        // stated request limit caps the rate. The limit alone does not wake it (the providers
+        // Pacing: a 429 that shows a limit the scope's rate meets wakes a dormant pacing
+        // (random 429s and overloads do not: see the module docs); a stated request limit
+        // caps the rate. The limit alone does not wake it (the providers
         // state theirs on every answer, and a client well within it is not to be slowed), but
         // a window nearly spent does: at most a tenth of the limit left.
         if let Some(pacer) = self.pacer() {
-            if !pacer.is_awake() {
-                let status = head.status;
-                if status == StatusCode::TOO_MANY_REQUESTS
-                    || status.as_u16() == crate::classify::STATUS_OVERLOADED
-                {
-                    pacer.wake_on_refusal(retry_after.map(|w| w.min(ceiling)));
+            if !pacer.is_awake() && head.status == StatusCode::TOO_MANY_REQUESTS {
+                let wait = retry_after.map(|w| w.min(ceiling));
+                let cause = if wait.is_some_and(|w| w >= limit::MIN_INFORMED_WAIT) {
+                    Some(PacingWake::QuotaReset)
+                } else if wait.is_some_and(|w| w > limits.backoff.max(WHOLE_SECOND)) {
+                    Some(PacingWake::LongRetryAfter)
+                } else if pacer.refusal_burst() {
+                    Some(PacingWake::RefusalShare)
+                } else {
+                    None
+                };
+                if let Some(cause) = cause {
+                    pacer.wake_on_refusal(wait, cause);
                 }
             }
             if let Some(limit) = counts.limit() {
@@ -862,6 +942,10 @@ impl std::fmt::Debug for Fleet {
         d.finish()
     }
 }
+
+/// The `Retry-After` any server that rounds up to whole seconds sends for a token bucket's
+/// next token, and random refusals send too: no evidence of a limit on its own.
+const WHOLE_SECOND: Duration = Duration::from_secs(1);
 
 /// Whether the wait a response asks for is an HTTP-date (`retry-after` with no
 /// `retry-after-ms` before it, and not a number of seconds).

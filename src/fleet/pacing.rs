@@ -15,7 +15,7 @@ use crate::error::ConfigError;
 /// that sends less than its rate has not shown that the server takes more):
 ///
 /// - **Slow start**: until the first refusal, the rate doubles every second.
-/// - A `429` or an overload multiplies it by `decrease` (by at most 0.5 for the first one,
+/// - A `429` multiplies it by `decrease` (by at most 0.5 for the first one,
 ///   which ends slow start and its overshoot), once per round: a refusal of an attempt sent
 ///   before the last decrease is not counted again. After that, each success adds `growth`
 ///   requests/s.
@@ -179,12 +179,15 @@ impl PacingConfig {
     /// Whether the pacing sleeps until the server first signals a rate limit.
     ///
     /// Dormant, it limits nothing: attempts leave as they come, and the pacing only counts
-    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes on the
-    /// server's first refusal for load (a `429` or `529` answer), or when the server says
-    /// its request window is nearly spent. A `5xx` without it (a random `503`) does not
-    /// wake it, nor, once awake, slow it.
+    /// them (one atomic add per attempt, and a timestamp every 16th). It wakes
+    /// only on evidence of a limit the scope's own rate meets ([`PacingWake`]; see
+    /// [the rule](crate::fleet#noise-or-a-limit)): a burst of `429`s, a `429` whose
+    /// `Retry-After` is longer than the retry's own backoff and 1 s, or when the server says its
+    /// request window is nearly spent. A random `429`, an overload (`529`, a `503`
+    /// overloaded) or another `5xx` does not wake it, and an overload does not slow it once
+    /// awake.
     ///
-    /// - Woken by a `429` / `529`, it starts from the rate it measured over the last second
+    /// - Woken by a `429`, it starts from the rate it measured over the last second
     ///   (attempts counted since the newest timestamp at least a second old, over the time
     ///   since; over a whole second when the fleet is younger than that), treated as the
     ///   rate at the end of slow start: the refusal halves it, though not below `initial`
@@ -270,6 +273,63 @@ impl PacingConfig {
     pub(crate) fn cap_for(&self, limit: u64) -> Option<f64> {
         let period = self.limit_period?;
         Some((limit as f64 / period.as_secs_f64()).clamp(MIN_RATE, self.max))
+    }
+}
+
+/// What woke a [dormant](PacingConfig::dormant) pacing: the evidence that the scope's own rate
+/// meets a limit. A few random `429`s, and overloads (`529`, OpenAI's `503` overloaded: the
+/// server's state, not this client's limit), are none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PacingWake {
+    /// Rate-limit headers said at most a tenth of the stated request limit is left.
+    RateLimitHeaders,
+    /// A `429` whose `Retry-After` is longer than the retry's own backoff would have been,
+    /// and than 1 s.
+    LongRetryAfter,
+    /// A `429` whose `Retry-After` of 10 s or more speaks of a quota spent, renewed when the
+    /// wait is over.
+    QuotaReset,
+    /// A burst of `429`s: at least 16 within 10 s, and at least a quarter of the attempts sent
+    /// since the first of them came back, well above the background share of random
+    /// refusals.
+    RefusalShare,
+}
+
+impl PacingWake {
+    /// Every cause, in the order of [`PacingWake::index`].
+    pub const ALL: [PacingWake; 4] = [
+        PacingWake::RateLimitHeaders,
+        PacingWake::LongRetryAfter,
+        PacingWake::QuotaReset,
+        PacingWake::RefusalShare,
+    ];
+
+    /// A short name: `rate_limit_headers`, `long_retry_after`, `quota_reset`,
+    /// `refusal_share`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PacingWake::RateLimitHeaders => "rate_limit_headers",
+            PacingWake::LongRetryAfter => "long_retry_after",
+            PacingWake::QuotaReset => "quota_reset",
+            PacingWake::RefusalShare => "refusal_share",
+        }
+    }
+
+    /// The cause's place in [`PacingWake::ALL`].
+    pub fn index(&self) -> usize {
+        match self {
+            PacingWake::RateLimitHeaders => 0,
+            PacingWake::LongRetryAfter => 1,
+            PacingWake::QuotaReset => 2,
+            PacingWake::RefusalShare => 3,
+        }
+    }
+}
+
+impl std::fmt::Display for PacingWake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

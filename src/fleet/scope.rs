@@ -81,6 +81,7 @@ struct Retired {
     refused: AtomicU64,
     closings: AtomicU64,
     pacing_refused: AtomicU64,
+    pacing_wakes: [AtomicU64; 4],
 }
 
 /// What names the scope of a request, written by a [`FleetBuilder::scope_key`] hook: an
@@ -207,6 +208,13 @@ impl Scopes {
         self.retired.pacing_refused.load(Ordering::Relaxed)
     }
 
+    /// The wakes of the dropped scopes' pacing, by cause (in the order of
+    /// [`PacingWake::ALL`](super::PacingWake::ALL)).
+    pub(super) fn retired_pacing_wakes(&self) -> [u64; 4] {
+        let w = &self.retired.pacing_wakes;
+        std::array::from_fn(|i| w[i].load(Ordering::Relaxed))
+    }
+
     /// The state of scope `key`, made with the name `name()` gives when there is none.
     fn get<'n>(
         &self,
@@ -277,6 +285,9 @@ impl Scopes {
         }
         if let Some(n) = scope.pacer().map(|p| p.refused()) {
             r.pacing_refused.fetch_add(n, Ordering::Relaxed);
+        }
+        if let Some(cause) = scope.pacer().and_then(|p| p.woken_by()) {
+            r.pacing_wakes[cause.index()].fetch_add(1, Ordering::Relaxed);
         }
     }
 }

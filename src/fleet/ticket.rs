@@ -200,6 +200,7 @@ mod tests {
             retry_after_max,
             ignores_above_ceiling: false,
             random,
+            backoff: Duration::ZERO,
         }
     }
 

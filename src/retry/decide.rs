@@ -240,8 +240,11 @@ where
         // Fleet: a Retry-After or exhausted rate-limit headers may close the gate. It learns
         // from every answer but one a companion replaces or ends.
         if !matches!(answer, Answer::Resend | Answer::Final(_)) {
-            self.fleet()
-                .observe(&head, c.retry_after(), self.policy().fleet_limits());
+            self.fleet().observe(
+                &head,
+                c.retry_after(),
+                self.policy().fleet_limits_for(self.retries + 1),
+            );
         }
         match answer {
             Answer::Go => {}
@@ -521,11 +524,9 @@ where
         };
         if c.is_success() {
             self.fleet().paced_success();
-        } else if matches!(
-            c.class(),
-            Some(FailureClass::RateLimited | FailureClass::Overloaded)
-        ) {
-            // A refusal for load slows the pacing.
+        } else if c.class() == Some(FailureClass::RateLimited) {
+            // A rate limit slows the pacing. An overload does not: it is the server's state,
+            // not this client's limit, and the budget and the gate shed load already.
             self.fleet().paced_refusal(epoch, c.retry_after());
         }
     }

@@ -405,6 +405,16 @@ impl RetryPolicy {
             retry_after_max: self.retry_after_max,
             ignores_above_ceiling: self.above_ceiling == AboveCeiling::UseBackoff,
             random: &self.random,
+            backoff: self.base_backoff(1),
+        }
+    }
+
+    /// The same, for the answer to attempt `retry` (1-based: the first retry's backoff is
+    /// the first attempt's).
+    pub(crate) fn fleet_limits_for(&self, retry: u32) -> crate::fleet::Limits<'_> {
+        crate::fleet::Limits {
+            backoff: self.base_backoff(retry),
+            ..self.fleet_limits()
         }
     }
 

@@ -11,7 +11,7 @@ use http::StatusCode;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceBuilder, ServiceExt};
-use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig, PacingWake};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{GiveUpReason, Jitter, Random, RetryEvent, RetryObserver};
 use tower_llm_retry::{ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
@@ -1713,6 +1713,13 @@ async fn absolute_times_are_read_against_the_servers_date_not_the_hosts_clock() 
 // The defaults: the gate, a dormant pacing, a state per scope.
 
 /// The default policy without jitter, and no spread at the gate.
+/// A `429` asking for 1.5 s: longer than the first retry's own backoff (500 ms) and than
+/// the whole second random refusals and a token bucket's next token say, under the default
+/// gate's 2 s.
+fn limited_for_1500_ms() -> Reply {
+    Reply::status(429).header("retry-after-ms", "1500")
+}
+
 fn exact() -> RetryPolicy {
     no_jitter().random(Random::from_fn(|| 0.0))
 }
@@ -1895,12 +1902,14 @@ async fn a_stated_limit_paces_the_default_fleet_only_once_its_window_is_nearly_s
 
 #[tokio::test(start_paused = true)]
 async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
-    // 400 successes, then one 429 without Retry-After (the gate stays open), then successes.
+    // 400 successes, then one 429 whose Retry-After of 1.5 s, longer than the retry's own
+    // backoff (500 ms) and than a whole second, shows a limit (under 2 s, the gate stays
+    // open), then successes.
     let mut script = Script::new();
     for _ in 0..400 {
         script = script.then(Reply::success());
     }
-    let server = MockServer::start(script.then(Reply::status(429)))
+    let server = MockServer::start(script.then(limited_for_1500_ms()))
         .await
         .unwrap();
     let fleet = Fleet::default();
@@ -1922,7 +1931,7 @@ async fn after_a_429_the_default_pacing_paces_from_the_measured_rate() {
     let pace = scope.pace().unwrap();
     assert!((pace - 100.0).abs() < 2.0, "{pace}");
     // From now on attempts leave 1 / pace apart: a burst of 20 (and the 429's retry, which
-    // comes 500 ms after it) is spaced.
+    // comes 1.5 s after it) is spaced.
     let origin = Instant::now();
     for _ in 0..20 {
         tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
@@ -1993,8 +2002,9 @@ async fn random_503s_neither_wake_nor_slow_the_default_pacing() {
         .all(|d| *d >= Duration::from_millis(500) && *d <= Duration::from_millis(501)));
     assert_eq!(scope.pace(), None);
 
-    // Woken by a 429, then 503s on paced attempts: the pace does not move.
-    server.push(Reply::status(429));
+    // Woken by a 429 with a Retry-After longer than the backoff, then 503s on paced
+    // attempts: the pace does not move.
+    server.push(limited_for_1500_ms());
     let res = svc
         .clone()
         .oneshot(with_key(&url, "sk-ant-key-a"))
@@ -2016,6 +2026,94 @@ async fn random_503s_neither_wake_nor_slow_the_default_pacing() {
     // The 429 and its retry, 30 requests, and the retries of their three 503s.
     assert_eq!(server.request_count(), 110 + 2 + 30 + 3);
     assert_eq!(scope.pace(), Some(woken));
+}
+
+/// Random refusals, not correlated with the rate (4 % `429`s without Retry-After, 4 %
+/// overloads), are noise the retries absorb: the default pacing stays dormant and a healthy
+/// request is not held at all. A burst of `429`s, a limit the scope's rate meets, wakes it,
+/// and the read-outs say why.
+#[tokio::test(start_paused = true)]
+async fn random_429s_and_overloads_do_not_hold_healthy_requests_a_burst_of_429s_paces() {
+    let noisy = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let script = Script::new().when({
+        let n = AtomicU64::new(0);
+        let noisy = noisy.clone();
+        move |_| {
+            if !noisy.load(Ordering::SeqCst) {
+                return None;
+            }
+            match n.fetch_add(1, Ordering::SeqCst) % 25 {
+                7 => Some(Reply::status(429)),
+                19 => Some(Reply::overloaded()),
+                _ => None,
+            }
+        }
+    });
+    let server = MockServer::start(script).await.unwrap();
+    let fleet = Fleet::default();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    // One request every 5 ms (200/s) for 2 s.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..400 {
+        let call = svc.clone().oneshot(with_key(&url, "sk-ant-key-a"));
+        tasks.spawn(async move {
+            let start = Instant::now();
+            let res = call.await.unwrap();
+            let attempts = res
+                .extensions()
+                .get::<RetryTrail>()
+                .map_or(1, |t| t.total_attempts());
+            (res.status(), attempts, Instant::now() - start)
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut healthy = 0;
+    let mut retried = 0;
+    let mut sent = 0;
+    while let Some(res) = tasks.join_next().await {
+        let (status, attempts, held) = res.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        sent += attempts as usize;
+        if attempts == 1 {
+            // Answered at once: not held before it was sent.
+            assert_eq!(held, Duration::ZERO);
+            healthy += 1;
+        } else {
+            retried += 1;
+        }
+    }
+    // The noise met 33 of the 400 requests (and two of their retries): each refused
+    // attempt was retried, and the server saw every attempt.
+    assert_eq!((healthy, retried), (367, 33));
+    assert_eq!((sent, server.request_count()), (435, 435));
+    assert_eq!(scope.pace(), None);
+    assert_eq!(scope.pacing_state(), None);
+    assert_eq!(fleet.paced_scopes(), 0);
+    assert!(fleet.pacing_wakes().unwrap().iter().all(|(_, n)| *n == 0));
+
+    // Now the server refuses twenty in a row, all it is sent: the scope meets a limit.
+    noisy.store(false, Ordering::SeqCst);
+    for _ in 0..20 {
+        server.push(Reply::status(429));
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        tasks.spawn(svc.clone().oneshot(with_key(&url, "sk-ant-key-a")));
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(scope.pacing_state(), Some(Some(PacingWake::RefusalShare)));
+    assert!(scope.pace().is_some());
+    assert_eq!(fleet.paced_scopes(), 1);
+    let wakes = fleet.pacing_wakes().unwrap();
+    assert_eq!(wakes[3], (PacingWake::RefusalShare, 1));
+    assert_eq!(wakes.iter().map(|(_, n)| n).sum::<u64>(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2072,7 +2170,7 @@ async fn the_scope_map_is_bounded_and_scopes_past_the_bound_share_the_fleets_own
 
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_pacing() {
-    let server = MockServer::start(Script::new().then(Reply::rate_limited("1")))
+    let server = MockServer::start(Script::new().then(limited_for_1500_ms()))
         .await
         .unwrap();
     let fleet = Fleet::default();
@@ -2100,8 +2198,8 @@ async fn a_retry_after_under_2_s_leaves_the_default_gate_open_and_wakes_the_paci
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(Instant::now() - origin, Duration::ZERO);
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
-    // The retry after its own Retry-After of 1 s.
-    assert_eq!(arrivals(&server, origin)[2], Duration::from_secs(1));
+    // The retry after its own Retry-After of 1.5 s.
+    assert_eq!(arrivals(&server, origin)[2], Duration::from_millis(1_500));
 }
 
 /// The read-outs of the default fleet (the one `RetryLayer::new()` builds, kept per scope)

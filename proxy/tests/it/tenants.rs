@@ -299,3 +299,100 @@ async fn a_flood_of_made_up_credentials_does_not_open_a_tenants_gate() {
     let waited = last.received_at - seen[0].received_at;
     assert!(waited >= Duration::from_secs(30), "{waited:?}");
 }
+
+/// A tenant that sees a few random refusals (4 % `429`s without `Retry-After`, 4 %
+/// overloads) is not paced: its healthy requests go upstream the instant they arrive, and
+/// `/metrics` shows no paced tenant. A burst of `429`s, a limit its rate meets, wakes its
+/// pacing, and `/metrics` says so and why.
+#[tokio::test(start_paused = true)]
+async fn random_429s_do_not_hold_a_tenants_healthy_requests() {
+    let noisy = Arc::new(AtomicBool::new(true));
+    let script = Script::new().when({
+        let n = std::sync::atomic::AtomicU64::new(0);
+        let noisy = noisy.clone();
+        move |_| {
+            if !noisy.load(Ordering::SeqCst) {
+                return None;
+            }
+            match n.fetch_add(1, Ordering::SeqCst) % 25 {
+                7 => Some(Reply::status(429)),
+                19 => Some(Reply::overloaded()),
+                _ => None,
+            }
+        }
+    });
+    let h = Arc::new(start(script).await);
+    let metric = |h: &Harness, line: &str| {
+        let m = h.proxy.metrics().render();
+        m.lines()
+            .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_owned()))
+    };
+    // One request every 5 ms (200/s) for 1 s.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..200 {
+        let h = h.clone();
+        tasks.spawn(async move {
+            let start = tokio::time::Instant::now();
+            let res = h.send(from("sk-A", &h)).await;
+            let attempts = header(&res, "x-llm-retry-attempts").map(str::to_owned);
+            (res.status(), attempts, start.elapsed())
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (mut healthy, mut retried, mut sent) = (0, 0, 0);
+    while let Some(res) = tasks.join_next().await {
+        let (status, attempts, held) = res.unwrap();
+        assert_eq!(status, 200);
+        sent += attempts.as_deref().unwrap().parse::<usize>().unwrap();
+        if attempts.as_deref() == Some("1") {
+            // Sent upstream and answered the instant it came: held for nothing.
+            assert_eq!(held, Duration::ZERO);
+            healthy += 1;
+        } else {
+            retried += 1;
+        }
+    }
+    // Two of each 25 answers were refusals (which ones met a retry depends on the
+    // retries' jitter): each refused attempt was retried, and the upstream saw every one.
+    assert_eq!(healthy + retried, 200);
+    assert!(retried >= 12, "{retried}");
+    assert_eq!(sent, h.mock.request_count());
+    assert_eq!(
+        metric(&h, "llm_retry_proxy_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        metric(
+            &h,
+            "llm_retry_proxy_pacing_wakes_total{upstream=\"anthropic\",cause=\"refusal_share\"}"
+        )
+        .as_deref(),
+        Some("0")
+    );
+
+    // Twenty refused in a row, all the tenant sends: a limit its rate meets.
+    noisy.store(false, Ordering::SeqCst);
+    for _ in 0..20 {
+        h.mock.push(Reply::status(429));
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let h = h.clone();
+        tasks.spawn(async move { h.send(from("sk-A", &h)).await.status() });
+    }
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap(), 200);
+    }
+    assert_eq!(
+        metric(&h, "llm_retry_proxy_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        metric(
+            &h,
+            "llm_retry_proxy_pacing_wakes_total{upstream=\"anthropic\",cause=\"refusal_share\"}"
+        )
+        .as_deref(),
+        Some("1")
+    );
+}
