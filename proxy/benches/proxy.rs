@@ -16,34 +16,21 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+mod support;
+use support::{client, cpu_time, free_port, rss_kib, target_dir, HttpClient, ProxyProcess};
 
 const JSON_BODY: &str =
     r#"{"model":"claude-bench","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
 const SSE_BODY: &str = r#"{"model":"claude-bench","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-
-fn client() -> HttpClient {
-    let mut tcp = HttpConnector::new();
-    tcp.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(512)
-        .build(tcp)
-}
 
 fn script() -> Script {
     let text = "x".repeat(1024 - 200);
@@ -182,46 +169,6 @@ async fn closed_loop(base: &str, body: &'static str, conns: usize, secs: f64) ->
     (n0 as f64 / elapsed, errors.load(Ordering::Relaxed))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
-}
-
-struct ProxyProcess(Child);
-
-impl Drop for ProxyProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// CPU time (user + system) a process has used, from `/proc/{pid}/stat`.
-fn cpu_time(pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-    // USER_HZ is 100 on Linux.
-    Some(Duration::from_millis(ticks * 10))
-}
-
-/// `VmHWM` (peak) or `VmRSS` (now) of a process, in KiB.
-fn rss_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -244,15 +191,7 @@ async fn bench() {
         "listen = \"127.0.0.1:{port}\"\nmax_concurrent_requests = 4096\n\n[[upstream]]\nname = \"anthropic\"\nkind = \"anthropic\"\nurl = \"{direct}\"\n"
     )
     .expect("config");
-    let child = Command::new(env!("CARGO_BIN_EXE_llm-retry-proxy"))
-        .arg("--config")
-        .arg(&config)
-        .env("LLM_RETRY_PROXY_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the proxy");
-    let proxy_proc = ProxyProcess(child);
+    let proxy_proc = ProxyProcess::start(&config, "warn");
     let proxied = format!("http://{}", SocketAddr::from(([127, 0, 0, 1], port)));
     let c = client();
     let mut up = false;
