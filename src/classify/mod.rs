@@ -536,7 +536,7 @@ impl std::error::Error for RequestNotSent {}
 #[derive(Debug)]
 pub struct Unsendable {
     cause: &'static str,
-    source: Option<crate::BoxError>,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
 
 impl Unsendable {
@@ -554,7 +554,7 @@ impl Unsendable {
     }
 
     /// Wraps the inner service's error, naming its cause.
-    pub(crate) fn wrap(error: crate::BoxError) -> Self {
+    pub(crate) fn wrap(error: Box<dyn std::error::Error + Send + Sync>) -> Self {
         let cause = unsendable(&*error).unwrap_or(GENERIC_UNSENDABLE);
         Unsendable {
             cause,
@@ -884,7 +884,8 @@ mod tests {
 
     #[test]
     fn unsendable_wraps_its_source() {
-        let e: crate::BoxError = Box::new(msg("invalid URL, host is missing"));
+        let e: Box<dyn std::error::Error + Send + Sync> =
+            Box::new(msg("invalid URL, host is missing"));
         let wrapped = Unsendable::wrap(e);
         assert_eq!(wrapped.cause(), "the URL has no host");
         assert_eq!(
@@ -894,7 +895,7 @@ mod tests {
         let source = std::error::Error::source(&wrapped).unwrap();
         assert_eq!(source.to_string(), "invalid URL, host is missing");
         // A cause the crate does not know still names itself.
-        let e: crate::BoxError = Box::new(msg("something else"));
+        let e: Box<dyn std::error::Error + Send + Sync> = Box::new(msg("something else"));
         assert_eq!(Unsendable::wrap(e).cause(), GENERIC_UNSENDABLE);
     }
 

@@ -300,13 +300,17 @@ const MAX_HOLD: Duration = Duration::from_secs(24 * 60 * 60);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PastDeadline;
 
+/// A request's wait for the first read of a gate shared across processes (a store's
+/// `first_read`): the type lives here, where it is waited for, so the stores name it from here.
+pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 pin_project! {
     /// A request waiting at the closed gate, as a state of the retry loop's future.
     pub(crate) struct GateWait {
         #[pin]
         sleep: Sleep,
         // The first read of the gate shared across processes, to wait for first.
-        first: Option<super::store::FirstRead>,
+        first: Option<FirstRead>,
         fleet: Fleet,
         cap: Instant,
         deadline: Option<Instant>,

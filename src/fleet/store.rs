@@ -220,12 +220,9 @@ impl Store {
     }
 }
 
+pub(crate) use super::gate::FirstRead;
 #[cfg(feature = "fleet-redis")]
-pub(crate) use super::redis::{FirstRead, RemoteTurn};
-
-/// The wait for a first read: none without a store that shares one.
-#[cfg(not(feature = "fleet-redis"))]
-pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+pub(crate) use super::redis::RemoteTurn;
 
 /// A turn of a shared schedule: none without a store that shares one.
 #[cfg(not(feature = "fleet-redis"))]

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::error_body::BodySignal;
+use super::signal::BodySignal;
 
 /// Bedrock's error-type header: `ThrottlingException:http://internal.amazon.com/coral/...`.
 pub(crate) const X_AMZN_ERROR_TYPE: &str = "x-amzn-errortype";
@@ -160,7 +160,7 @@ pub(crate) fn google(body: &[u8]) -> Option<Google<'_>> {
         "UNAVAILABLE" if contains_ignore_case(message, "overloaded") => {
             BodySignal::ServerOverloaded
         }
-        _ if super::error_body::says_overflow(message) => BodySignal::ContextOverflow,
+        _ if super::signal::says_overflow(message) => BodySignal::ContextOverflow,
         _ => BodySignal::Other,
     };
     Some(Google {

@@ -10,3 +10,4 @@
 pub(crate) mod cloud;
 pub(crate) mod error_body;
 pub(crate) mod ratelimit;
+pub(crate) mod signal;

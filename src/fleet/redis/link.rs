@@ -3,8 +3,7 @@
 
 use super::*;
 
-/// A request's wait for the first read of the shared gate ([`Link::first_read`]).
-pub(crate) type FirstRead = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+use crate::fleet::gate::FirstRead;
 
 /// The link of one fleet to Redis, held by the fleet's state; dropping it ends the task.
 pub(crate) struct Link {

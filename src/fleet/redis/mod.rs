@@ -44,7 +44,7 @@ mod link;
 mod pace;
 mod task;
 
-pub(crate) use self::link::{FirstRead, Link};
+pub(crate) use self::link::Link;
 pub(crate) use self::pace::RemoteTurn;
 use self::{link::*, pace::*, task::*};
 use crate::error::ConfigError;
