@@ -478,6 +478,23 @@ impl State {
         envelope::response(kind, reject, message)
     }
 
+    /// An upstream answer the proxy cannot pass on (logged by the caller, with what it knows):
+    /// counted as the request's `502`, and answered in the route's envelope.
+    fn broken_answer(
+        &self,
+        kind: Kind,
+        upstream: &str,
+        what: std::fmt::Arguments<'_>,
+    ) -> Response<ProxyBody> {
+        self.metrics
+            .request(upstream, Reject::Upstream.status().as_u16());
+        self.reject(
+            kind,
+            Reject::Upstream,
+            &format!("upstream {upstream:?} {what}"),
+        )
+    }
+
     async fn handle<B>(self: Arc<Self>, req: Request<B>) -> Response<ProxyBody>
     where
         B: Body<Data = Bytes> + Send + 'static,
@@ -747,20 +764,17 @@ impl State {
                 // the client's connection.
                 if head.status.is_informational() {
                     tracing::warn!(
-                        method = %gone.method,
+                        method = %method,
                         upstream = %up.name,
-                        path = %gone.path,
+                        path = %path,
                         status = head.status.as_u16(),
                         "upstream answered with an informational status as its final answer"
                     );
-                    self.metrics
-                        .request(&up.name, Reject::Upstream.status().as_u16());
-                    return self.reject(
+                    return self.broken_answer(
                         kind,
-                        Reject::Upstream,
-                        &format!(
-                            "upstream {:?} answered {} to a request that asked for no upgrade",
-                            up.name,
+                        &up.name,
+                        format_args!(
+                            "answered {} to a request that asked for no upgrade",
                             head.status.as_u16()
                         ),
                     );
@@ -777,22 +791,18 @@ impl State {
                     match body.frame().await {
                         Some(Err(e)) => {
                             tracing::warn!(
-                                method = %gone.method,
+                                method = %method,
                                 upstream = %up.name,
-                                path = %gone.path,
+                                path = %path,
                                 status = head.status.as_u16(),
                                 error = %e,
                                 "upstream answer failed before its first body byte"
                             );
-                            self.metrics
-                                .request(&up.name, Reject::Upstream.status().as_u16());
-                            return self.reject(
+                            return self.broken_answer(
                                 kind,
-                                Reject::Upstream,
-                                &format!(
-                                    "upstream {:?} answered {} and its body failed before \
-                                     its first byte",
-                                    up.name,
+                                &up.name,
+                                format_args!(
+                                    "answered {} and its body failed before its first byte",
                                     head.status.as_u16()
                                 ),
                             );
