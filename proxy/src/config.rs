@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tower_llm_retry::fallback::Circuit;
-use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder, RedisFleet};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, FleetBuilder, PacingConfig, RedisFleet};
 use tower_llm_retry::RetryPolicy;
 
 /// The prefix of every environment variable the proxy reads.
@@ -297,6 +297,14 @@ pub struct Upstream {
     /// rate limit, then from the rate measured (the library's default pacing). Defaults to
     /// `true`.
     pub pacing: bool,
+    /// How long the pacing warms a new tenant up, in seconds: its first attempts leave at
+    /// 50 a second, the rate doubling every second while some wait, until evidence of a
+    /// limit wakes the pacing for good or the span is over with no one waiting (the
+    /// library's `PacingConfig::warm_up`). Many clients starting together (a deploy, a
+    /// restart, replicas scaled out on one key) then do not all go at once into a limit; a
+    /// burst of 1,000 requests at a new tenant takes about 4 s to leave. 0 turns it off.
+    /// Defaults to 3.
+    pub pacing_warm_up_secs: f64,
     /// An environment variable with the upstream keys the proxy holds (separated by commas
     /// or new lines); a client token is then required. Defaults to none: clients' own
     /// credentials pass through.
@@ -504,6 +512,7 @@ impl Upstream {
             budget: true,
             gate: true,
             pacing: true,
+            pacing_warm_up_secs: 3.0,
             keys_env: None,
             keys_file: None,
             roots: Roots::Webpki,
@@ -581,6 +590,14 @@ impl Upstream {
     /// Checks the fallback chain, its triggers and circuit against `all` the upstreams.
     fn validate_failover(&self, all: &[Upstream]) -> Result<(), ConfigError> {
         let at = format!("[[upstream]] {:?}", self.name);
+        if !(self.pacing_warm_up_secs.is_finite()
+            && (0.0..=3600.0).contains(&self.pacing_warm_up_secs))
+        {
+            return Err(ConfigError::new(format!(
+                "{at}: pacing_warm_up_secs must be within 0 and 3600, got {}",
+                self.pacing_warm_up_secs
+            )));
+        }
         for (key, n) in [
             ("fallback_after_failures", self.fallback_after_failures),
             ("fallback_after_timeouts", self.fallback_after_timeouts),
@@ -817,6 +834,10 @@ impl Upstream {
         }
         if !self.pacing {
             fleet = fleet.pacing(None);
+        } else if self.pacing_warm_up_secs > 0.0 {
+            let warm_up =
+                Duration::try_from_secs_f64(self.pacing_warm_up_secs).unwrap_or(Duration::MAX);
+            fleet = fleet.pacing(Some(PacingConfig::new().warm_up(warm_up)));
         }
         fleet
     }

@@ -207,8 +207,13 @@ pub(crate) struct Pacer {
     // Attempts that gave up because their turn would come later than they may wait.
     refused: AtomicU64,
     // Set once the pacing paces: from the start, or, when dormant, from the server's first
-    // rate-limit signal. Read on every attempt.
+    // rate-limit signal, or while it warms a new scope up. Read on every attempt.
     awake: AtomicBool,
+    // Set while a dormant pacing warms a new scope up: it paces, with no evidence of a limit
+    // yet (see `PacingConfig::warm_up`). Read on every attempt while awake.
+    warming: AtomicBool,
+    // When the warm-up may end, if no one waits then: set by its first attempt.
+    warm_until: std::sync::OnceLock<Instant>,
     // While dormant: the attempts sent, and samples of that count, for the rate to wake at.
     dormant_sends: AtomicU64,
     samples: Mutex<Samples>,
@@ -255,6 +260,7 @@ pub(crate) enum Turn {
 
 impl Pacer {
     pub(crate) fn new(config: PacingConfig) -> Self {
+        let warming = config.dormant && !config.warm_up.is_zero();
         Pacer {
             config,
             state: Mutex::new(State {
@@ -277,7 +283,9 @@ impl Pacer {
             }),
             stated_limit: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            awake: AtomicBool::new(!config.dormant),
+            awake: AtomicBool::new(!config.dormant || warming),
+            warming: AtomicBool::new(warming),
+            warm_until: std::sync::OnceLock::new(),
             dormant_sends: AtomicU64::new(0),
             samples: Mutex::new(Samples::default()),
             woken_by: AtomicU8::new(0),
@@ -588,7 +596,74 @@ impl Pacer {
         self.awake.load(Ordering::Acquire)
     }
 
-    /// An attempt went out while the pacing was dormant.
+    /// Whether the pacing warms a new scope up: it paces, with no evidence of a limit yet.
+    #[inline]
+    pub(crate) fn is_warming(&self) -> bool {
+        self.warming.load(Ordering::Acquire)
+    }
+
+    /// Whether the pacing paces for good: from the start, or woken by evidence of a limit
+    /// (awake, and not warming up).
+    #[inline]
+    pub(crate) fn is_woken(&self) -> bool {
+        self.is_awake() && !self.is_warming()
+    }
+
+    /// Starts the warm-up's span at its first attempt, with no turns in hand: that attempt
+    /// goes now, the next a gap after. No-op after the first.
+    pub(crate) fn start_warm_up(&self) {
+        if self.warm_until.get().is_some() {
+            return;
+        }
+        let mut s = self.lock();
+        let now = Instant::now();
+        if self.warm_until.set(now + self.config.warm_up).is_ok() && s.next_time.is_none() {
+            s.next_time = Some(now);
+        }
+    }
+
+    /// Whether the pacing limits anything now: woken, or warming up a scope that has sent
+    /// within its span or still has someone in line.
+    pub(crate) fn paces(&self) -> bool {
+        if self.is_woken() {
+            return true;
+        }
+        self.is_warming()
+            && self
+                .warm_until
+                .get()
+                .is_some_and(|&until| Instant::now() < until || self.lock().has_line())
+    }
+
+    /// Ends a warm-up that met no evidence, once its span is over and no one waits in line
+    /// (here, nor, by `others_idle`, in a line kept elsewhere: the fleet's shared schedule):
+    /// the pacing sleeps, as if it had never paced. Whether it did.
+    pub(crate) fn end_warm_up(&self, others_idle: impl FnOnce() -> bool) -> bool {
+        let Some(&until) = self.warm_until.get() else {
+            self.start_warm_up();
+            return false;
+        };
+        if Instant::now() < until || !others_idle() {
+            return false;
+        }
+        let mut s = self.lock();
+        if !self.is_warming() || s.has_line() {
+            return false;
+        }
+        // Woken later, it starts from what it measures then, not from the warm-up's rate.
+        s.rate = self.config.initial;
+        s.slow_start = true;
+        s.next_time = None;
+        s.last_turn = None;
+        self.warming.store(false, Ordering::Release);
+        self.awake.store(false, Ordering::Release);
+        drop(s);
+        tracing::debug!("pacing warm-up over with no sign of a limit: dormant");
+        true
+    }
+
+    /// An attempt went out while the pacing was dormant (or warming up: counted the same, for
+    /// the evidence of a limit).
     #[inline]
     pub(crate) fn dormant_send(&self) {
         let n = self.dormant_sends.fetch_add(1, Ordering::Relaxed);
@@ -715,9 +790,24 @@ impl Pacer {
 
     /// A dormant pacing wakes on a `429` that shows a limit (`cause`) with the server's
     /// `retry_after`: from the rate measured over the last second, as if slow start had
-    /// reached it, the refusal then taken as slow start's end. No-op once awake.
+    /// reached it, the refusal then taken as slow start's end. A warm-up wakes from its own
+    /// rate, the refusal ending its slow start. No-op once woken.
     pub(crate) fn wake_on_refusal(&self, retry_after: Option<Duration>, cause: PacingWake) {
-        if self.is_awake() {
+        if self.is_woken() {
+            return;
+        }
+        if self.is_warming() {
+            let epoch = {
+                let s = self.lock();
+                if !self.is_warming() {
+                    return;
+                }
+                self.set_woken_by(cause);
+                self.warming.store(false, Ordering::Release);
+                s.epoch
+            };
+            self.on_refusal(epoch, retry_after);
+            tracing::debug!(rate = self.rate(), %cause, "pacing warm-up woken by a rate limit");
             return;
         }
         let epoch = {
@@ -752,14 +842,27 @@ impl Pacer {
     /// [`on_limit`](Pacer::on_limit)), when the window is nearly spent. No-op once awake, or
     /// with no limit in force.
     pub(crate) fn wake_on_limit(&self) {
-        if self.is_awake() {
+        if self.is_woken() {
             return;
         }
         let mut s = self.lock();
         let Some(cap) = s.stated else {
             return;
         };
-        if self.is_awake() {
+        if self.is_woken() {
+            return;
+        }
+        if self.is_warming() {
+            // The warm-up's turns go on, at the cap from now.
+            s.rate = s.rate.min(cap);
+            s.slow_start = false;
+            self.set_woken_by(PacingWake::RateLimitHeaders);
+            self.warming.store(false, Ordering::Release);
+            drop(s);
+            tracing::debug!(
+                rate = cap,
+                "pacing warm-up woken by a nearly spent request limit"
+            );
             return;
         }
         s.rate = cap.min(self.config.max);

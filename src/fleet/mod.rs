@@ -54,6 +54,13 @@
 //! refuses far more. A pacing once woken stays awake, slowed by each round of `429`s and
 //! growing back with the successes.
 //!
+//! Evidence comes back with answers, and a scope's first attempts go out before any: when
+//! many clients start together, a dormant pacing lets them all go, and against a limit all
+//! but the limit's worth are refused whatever it learns after. A
+//! [warm-up](PacingConfig::warm_up) (off in the library's defaults, on in the proxy's) paces
+//! a new scope from its first attempt at the initial rate, in slow start, unslowed by noise,
+//! until evidence wakes the pacing for good or the warm-up is over with no one in line.
+//!
 //! # Sharing
 //!
 //! A [`Fleet`] is a handle on one state: its clones share it. Every layer given the same
@@ -681,21 +688,22 @@ impl Fleet {
 
     /// Whether this state's pacing paces, and why, when pacing is on: `None` while it is
     /// dormant, `Some(None)` when it paces from the start
-    /// ([`dormant(false)`](PacingConfig::dormant)), `Some(Some(cause))` once the evidence of a
+    /// ([`dormant(false)`](PacingConfig::dormant), or a [warm-up](PacingConfig::warm_up)
+    /// within its span or with someone in line), `Some(Some(cause))` once the evidence of a
     /// limit woke it. A scope's handle reads its own; a fleet kept per scope, its own state's
     /// (see [`paced_scopes`](Fleet::paced_scopes) for its scopes). The rate is
     /// [`pace`](Fleet::pace).
     pub fn pacing_state(&self) -> Option<Option<PacingWake>> {
         let pacer = self.pacer()?;
-        pacer.is_awake().then(|| pacer.woken_by())
+        pacer.paces().then(|| pacer.woken_by())
     }
 
     /// How many states pace now (their pacing is on and awake): the fleet's own and, of a
     /// fleet kept per scope, its scopes'. 0 when pacing is off.
     pub fn paced_scopes(&self) -> usize {
-        let mut n = usize::from(self.pacer().is_some_and(|p| p.is_awake()));
+        let mut n = usize::from(self.pacer().is_some_and(Pacer::paces));
         if let Some(scopes) = &self.inner.scopes {
-            scopes.for_each(|f| n += usize::from(f.pacer().is_some_and(|p| p.is_awake())));
+            scopes.for_each(|f| n += usize::from(f.pacer().is_some_and(Pacer::paces)));
         }
         n
     }
@@ -747,9 +755,16 @@ impl Fleet {
     pub(crate) fn ticket(&self, limits: Limits<'_>, deadline: Option<Instant>) -> Option<Ticket> {
         let pacer = self.pacer()?;
         // Dormant, the pacing only counts what goes out, until the server signals a limit.
-        if !pacer.is_awake() {
+        // Warming a new scope up, it counts as well, and sleeps once the warm-up is over with
+        // no one in line.
+        if !pacer.is_awake()
+            || (pacer.is_warming() && pacer.end_warm_up(|| self.inner.store.line_is_empty()))
+        {
             pacer.dormant_send();
             return None;
+        }
+        if pacer.is_warming() {
+            pacer.dormant_send();
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
@@ -778,7 +793,7 @@ impl Fleet {
     /// knows it. For the retry loop's trace events.
     pub(crate) fn pacing_rate(&self) -> Option<f64> {
         let pacer = self.pacer()?;
-        if !pacer.is_awake() {
+        if !pacer.paces() {
             return None;
         }
         self.inner.store.pace().or_else(|| Some(pacer.rate()))
@@ -796,6 +811,11 @@ impl Fleet {
 
     /// An attempt sent in `epoch` was refused for load.
     pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
+        // A warm-up is not slowed by refusals that are no evidence of a limit (evidence wakes
+        // it, before this, from the same answer).
+        if self.pacer().is_some_and(Pacer::is_warming) {
+            return;
+        }
         if self.inner.store.paced_refusal(epoch) {
             return;
         }
@@ -856,7 +876,7 @@ impl Fleet {
         // state theirs on every answer, and a client well within it is not to be slowed), but
         // a window nearly spent does: at most a tenth of the limit left.
         if let Some(pacer) = self.pacer() {
-            if !pacer.is_awake() && head.status == StatusCode::TOO_MANY_REQUESTS {
+            if !pacer.is_woken() && head.status == StatusCode::TOO_MANY_REQUESTS {
                 let wait = retry_after.map(|w| w.min(ceiling));
                 let cause = if wait.is_some_and(|w| w >= limit::MIN_INFORMED_WAIT) {
                     Some(PacingWake::QuotaReset)
@@ -873,7 +893,7 @@ impl Fleet {
             }
             if let Some(limit) = counts.limit() {
                 pacer.on_limit(limit);
-                if !pacer.is_awake()
+                if !pacer.is_woken()
                     && counts
                         .remaining()
                         .is_some_and(|left| left.saturating_mul(LOW_REMAINING) <= limit)

@@ -96,6 +96,7 @@ pub struct PacingConfig {
     pub(super) limit_period: Option<Duration>,
     pub(super) dormant: bool,
     pub(super) burst: Duration,
+    pub(super) warm_up: Duration,
 }
 
 impl Default for PacingConfig {
@@ -109,6 +110,7 @@ impl Default for PacingConfig {
             limit_period: Some(Duration::from_secs(60)),
             dormant: true,
             burst: Duration::from_secs(1),
+            warm_up: Duration::ZERO,
         }
     }
 }
@@ -227,6 +229,40 @@ impl PacingConfig {
         }
         self.burst = span;
         Ok(self)
+    }
+
+    /// How long a [dormant](PacingConfig::dormant) pacing paces a scope it meets for the
+    /// first time, before any evidence of a limit: a warm-up.
+    ///
+    /// Dormant pacing waits for the server's evidence, and a scope's first attempts go out
+    /// before any answer can bring it: when many clients start together (a restart, a
+    /// deploy, replicas scaled out against one key) they all go at once, and against a limit
+    /// all but the limit's worth come back refused, however the pacing reacts after. With a
+    /// warm-up, a new scope's attempts leave from its first one at
+    /// [`initial`](PacingConfig::rates), the rate doubling every second while someone waits
+    /// in line (slow start), with no burst in hand and, across processes, on the fleet's
+    /// shared schedule. Refusals during the warm-up do not slow it (random ones would ratchet
+    /// it down); evidence of a limit, by the same rule as for a dormant pacing
+    /// ([`PacingWake`]), wakes the pacing for good from the warm-up's rate, the refusal
+    /// ending slow start. Once `span` has passed since the scope's first attempt and no one
+    /// waits in line, a warm-up that met no evidence ends: the pacing sleeps as if it had
+    /// never paced.
+    ///
+    /// The cost falls on a scope's first moments only: a burst of `n` attempts at a new scope
+    /// takes about `log2(1 + n · ln 2 / initial)` seconds to leave (1,000 attempts at 50/s:
+    /// 3.9 s) instead of going at once, and a steady demand above `initial` waits in line
+    /// until slow start has doubled past it. Measured through the proxy (its bench
+    /// `fleet`, a 20/s token bucket, 100 clients per process starting together), it is what
+    /// keeps the first second from costing as many refused attempts as there are clients.
+    /// Ignored when the pacing is not dormant. Zero turns it off. Defaults to zero.
+    pub fn warm_up(mut self, span: Duration) -> Self {
+        self.warm_up = span;
+        self
+    }
+
+    /// How long a dormant pacing paces a new scope before any evidence of a limit.
+    pub fn get_warm_up(&self) -> Duration {
+        self.warm_up
     }
 
     /// The span of turns a quiet spell leaves in hand.

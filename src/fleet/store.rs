@@ -188,6 +188,16 @@ impl Store {
         true
     }
 
+    /// Whether no attempt of this process waits for a turn of the shared schedule (always,
+    /// when there is none).
+    pub(crate) fn line_is_empty(&self) -> bool {
+        match self {
+            Store::Local => true,
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.line_is_empty(),
+        }
+    }
+
     /// A turn of the shared schedule for an attempt that may wait `max_wait`, when the store
     /// has one; `None`: the local line.
     pub(crate) fn reserve(&self, max_wait: Duration) -> Option<RemoteTurn> {

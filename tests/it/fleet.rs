@@ -2262,3 +2262,147 @@ async fn the_default_fleets_read_outs_report_its_scopes_after_traffic() {
     assert_eq!(fleet.gate_closed_until(), None);
     assert_eq!(fleet.gate_closings(), Some(1));
 }
+
+/// A fleet kept per scope whose dormant pacing warms a new scope up for `warm_up`.
+fn warming_fleet(warm_up: Duration) -> Fleet {
+    Fleet::builder()
+        .pacing(Some(PacingConfig::new().warm_up(warm_up)))
+        .build()
+}
+
+/// `n` requests of `key` sent together at `svc`: their statuses, in the order they end.
+async fn together<S, B>(svc: &S, url: &str, key: &str, n: usize) -> Vec<StatusCode>
+where
+    S: tower::Service<
+            http::Request<http_body_util::Full<bytes::Bytes>>,
+            Response = http::Response<B>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug,
+{
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let call = svc.clone().oneshot(with_key(url, key));
+        tasks.spawn(async move { call.await.unwrap().status() });
+    }
+    let mut out = Vec::new();
+    while let Some(status) = tasks.join_next().await {
+        out.push(status.unwrap());
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_warm_up_spaces_a_new_scopes_first_burst_then_sleeps() {
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleet = warming_fleet(Duration::from_secs(3));
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let origin = Instant::now();
+    let statuses = together(&svc, &url, "sk-ant-key-a", 50).await;
+    assert!(statuses.iter().all(|s| *s == StatusCode::OK));
+    // Paced from the first attempt at 50/s, doubling every second while the line lasts: the
+    // first at once, the next a gap (20 ms) after, the 50th when slow start has sent 49
+    // more, log2(1 + 49 ln 2 / 50) = 0.75 s in.
+    let at = arrivals(&server, origin);
+    assert_eq!(at.len(), 50);
+    assert_eq!(at[0], Duration::ZERO);
+    assert_eq!(at[1], Duration::from_millis(20));
+    assert!(
+        at[49] >= Duration::from_millis(700) && at[49] <= Duration::from_millis(800),
+        "{:?}",
+        at[49]
+    );
+    // Paced from the start, with no evidence of a limit.
+    assert_eq!(scope.pacing_state(), Some(None));
+    assert_eq!(fleet.paced_scopes(), 1);
+    // The warm-up over and no one in line, the next attempt finds it asleep, and a burst
+    // then goes at once.
+    tokio::time::sleep_until(origin + Duration::from_secs(3)).await;
+    let later = Instant::now();
+    let statuses = together(&svc, &url, "sk-ant-key-a", 50).await;
+    assert!(statuses.iter().all(|s| *s == StatusCode::OK));
+    let at = arrivals(&server, later);
+    assert_eq!(at[50..], [Duration::ZERO; 50]);
+    assert_eq!(scope.pacing_state(), None);
+    assert_eq!(fleet.paced_scopes(), 0);
+    assert_eq!(fleet.pacing_wakes().unwrap().map(|(_, n)| n), [0; 4]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_met_during_the_warm_up_wakes_the_pacing_for_good_and_spares_the_first_second() {
+    // A token bucket of 20 a second that holds one second's worth, as the proxy's storm
+    // bench has, and 200 clients starting together: without a warm-up all 200 first attempts
+    // go at once, 180 of them into refusals.
+    let mut first_second = Vec::new();
+    for warm_up in [Duration::ZERO, Duration::from_secs(3)] {
+        let server = MockServer::start(
+            Script::new().capacity(tower_llm_retry::mock::Capacity::token_bucket(20.0, 20)),
+        )
+        .await
+        .unwrap();
+        // No retry budget: every request is to end in a success, however many refusals.
+        let fleet = Fleet::builder()
+            .budget(None)
+            .pacing(Some(PacingConfig::new().warm_up(warm_up)))
+            .build();
+        let svc = RetryLayer::new()
+            .policy(exact().max_retries(20))
+            .fleet(fleet.clone())
+            .layer(http_client());
+        let url = server.url("/v1/messages");
+        let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+        let origin = Instant::now();
+        let statuses = together(&svc, &url, "sk-ant-key-a", 200).await;
+        assert!(
+            statuses.iter().all(|s| *s == StatusCode::OK),
+            "{statuses:?}"
+        );
+        let at = arrivals(&server, origin);
+        first_second.push(at.iter().filter(|t| **t < Duration::from_secs(1)).count());
+        // Either way the burst of refusals is evidence, and the pacing stays awake.
+        assert_eq!(scope.pacing_state(), Some(Some(PacingWake::RefusalShare)));
+        tokio::time::sleep_until(origin + Duration::from_secs(60)).await;
+        let _ = together(&svc, &url, "sk-ant-key-a", 1).await;
+        assert_eq!(scope.pacing_state(), Some(Some(PacingWake::RefusalShare)));
+    }
+    assert_eq!(first_second[0], 200, "{first_second:?}");
+    // 50/s doubling: 72 attempts in the first second, less those held behind the
+    // evidence's halving.
+    assert!(first_second[1] <= 72, "{first_second:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_random_429_during_the_warm_up_neither_wakes_nor_slows_it() {
+    // The same burst twice, once with a lone 429 (no Retry-After) for its third attempt.
+    let mut times = Vec::new();
+    for noisy in [false, true] {
+        let n = AtomicU64::new(0);
+        let script = Script::new().when(move |_| {
+            (noisy && n.fetch_add(1, Ordering::SeqCst) == 2).then(|| Reply::status(429))
+        });
+        let server = MockServer::start(script).await.unwrap();
+        let fleet = warming_fleet(Duration::from_secs(3));
+        let svc = RetryLayer::new()
+            .policy(exact())
+            .fleet(fleet.clone())
+            .layer(http_client());
+        let url = server.url("/v1/messages");
+        let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+        let origin = Instant::now();
+        let statuses = together(&svc, &url, "sk-ant-key-a", 40).await;
+        assert!(statuses.iter().all(|s| *s == StatusCode::OK));
+        assert_eq!(scope.pacing_state(), Some(None));
+        times.push(arrivals(&server, origin));
+    }
+    // The refused attempt's retry is one more in line; the first 40 turns are the same
+    // turns: the refusal did not halve the rate.
+    assert_eq!(times[1].len(), 41);
+    assert_eq!(times[0][..40], times[1][..40]);
+}

@@ -1469,3 +1469,44 @@ async fn one_subscription_per_store_brings_a_closing_to_every_scope_well_before_
     let gone = within(Duration::from_secs(1), || subscribers(&redis) == 1).await;
     assert!(gone.is_some(), "{} subscribers", subscribers(&redis));
 }
+
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn a_warm_up_paces_the_first_burst_of_every_process_on_the_fleets_one_schedule() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .budget(None)
+                .pacing(Some(
+                    tower_llm_retry::fleet::PacingConfig::new().warm_up(Duration::from_secs(3)),
+                ))
+                .redis(patient(store(&redis)))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    let origin = tokio::time::Instant::now();
+    at_once(&stacks, &server, 30).await;
+    let mut at: Vec<Duration> = server
+        .requests()
+        .iter()
+        .map(|r| r.received_at - origin)
+        .collect();
+    at.sort();
+    assert_eq!(at.len(), 60);
+    // One schedule for both, from 50/s doubling every second: about 23 attempts in the
+    // first 400 ms, the 60th after 0.86 s. A schedule per process would send twice as many
+    // as soon, the last after 0.48 s.
+    let early = at
+        .iter()
+        .filter(|t| **t < Duration::from_millis(400))
+        .count();
+    assert!(early <= 30, "{early} attempts in the first 400 ms: {at:?}");
+    assert!(at[59] >= Duration::from_millis(700), "{at:?}");
+    for f in &fleets {
+        assert_eq!(f.pacing_state(), Some(None));
+    }
+}

@@ -327,6 +327,10 @@ async fn random_429s_do_not_hold_a_tenants_healthy_requests() {
         m.lines()
             .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_owned()))
     };
+    // The tenant past its warm-up (its first seconds are paced: see the test below), with
+    // no one in line: its pacing sleeps.
+    assert_eq!(h.send(from("sk-A", &h)).await.status(), 200);
+    tokio::time::sleep(Duration::from_secs(3)).await;
     // One request every 5 ms (200/s) for 1 s.
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..200 {
@@ -356,7 +360,7 @@ async fn random_429s_do_not_hold_a_tenants_healthy_requests() {
     // retries' jitter): each refused attempt was retried, and the upstream saw every one.
     assert_eq!(healthy + retried, 200);
     assert!(retried >= 12, "{retried}");
-    assert_eq!(sent, h.mock.request_count());
+    assert_eq!(sent + 1, h.mock.request_count());
     assert_eq!(
         metric(&h, "llm_retry_proxy_paced_scopes{upstream=\"anthropic\"}").as_deref(),
         Some("0")
@@ -394,5 +398,64 @@ async fn random_429s_do_not_hold_a_tenants_healthy_requests() {
         )
         .as_deref(),
         Some("1")
+    );
+}
+
+/// A new tenant's first burst is paced (the warm-up, 3 s by default): 50 requests arriving
+/// together leave from 50/s, doubling every second, instead of all at once, and `/metrics`
+/// counts the tenant as paced meanwhile. Once the warm-up is over with no one waiting, the
+/// tenant's pacing sleeps and a burst goes at once.
+#[tokio::test(start_paused = true)]
+async fn a_new_tenants_first_burst_is_paced_by_the_warm_up_then_goes_at_once() {
+    let h = Arc::new(start(Script::new()).await);
+    let metric = |h: &Harness, line: &str| {
+        let m = h.proxy.metrics().render();
+        m.lines()
+            .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_owned()))
+    };
+    let burst = |n: usize| {
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..n {
+            let h = h.clone();
+            tasks.spawn(async move { h.send(from("sk-A", &h)).await.status() });
+        }
+        tasks
+    };
+    let origin = tokio::time::Instant::now();
+    let mut tasks = burst(50);
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap(), 200);
+    }
+    let mut at: Vec<Duration> = h
+        .mock
+        .requests()
+        .iter()
+        .map(|r| r.received_at - origin)
+        .collect();
+    at.sort();
+    // The first at once, the next a gap (20 ms) after, the 50th some 0.75 s in.
+    assert_eq!(at[0], Duration::ZERO);
+    assert_eq!(at[1], Duration::from_millis(20));
+    assert!(
+        at[49] >= Duration::from_millis(700) && at[49] <= Duration::from_millis(800),
+        "{:?}",
+        at[49]
+    );
+    assert_eq!(
+        metric(&h, "llm_retry_proxy_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("1")
+    );
+    tokio::time::sleep_until(origin + Duration::from_secs(3)).await;
+    let later = tokio::time::Instant::now();
+    let mut tasks = burst(50);
+    while let Some(res) = tasks.join_next().await {
+        assert_eq!(res.unwrap(), 200);
+    }
+    let seen = h.mock.requests();
+    assert_eq!(seen.len(), 100);
+    assert!(seen[50..].iter().all(|r| r.received_at == later));
+    assert_eq!(
+        metric(&h, "llm_retry_proxy_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("0")
     );
 }

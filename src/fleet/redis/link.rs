@@ -311,6 +311,15 @@ impl Link {
         })
     }
 
+    /// Whether no attempt of this process waits for a slot of the fleet's schedule.
+    pub(crate) fn line_is_empty(&self) -> bool {
+        self.shared
+            .line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty()
+    }
+
     /// An attempt that had a turn of the fleet's schedule succeeded: reported with the next
     /// reservation, at no round trip of its own.
     pub(crate) fn paced_success(&self) {
