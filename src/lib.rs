@@ -190,6 +190,7 @@
 //! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
 //! | `fleet-redis` | no | [`fleet::RedisFleet`]: the fleet's gate, budget and pacing shared across processes through Redis (pulls in `redis`) |
 //! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
+//! | `async-openai` | no | [`async_openai::HttpService`]: the stack as async-openai's HTTP service, for `Client::with_http_service` (implies `reqwest`; pulls in `async-openai` without a TLS feature) |
 //!
 //! # Where it plugs in
 //!
@@ -246,6 +247,10 @@
     doc = "[`reqwest_middleware::RetryMiddleware`]: crate#features"
 )]
 #![cfg_attr(
+    not(feature = "async-openai"),
+    doc = "[`async_openai::HttpService`]: crate#features"
+)]
+#![cfg_attr(
     not(feature = "fleet-redis"),
     doc = "[`fleet::RedisFleet`]: crate#features"
 )]
@@ -293,6 +298,9 @@ pub mod retry;
 pub mod stream;
 mod time;
 
+#[cfg(feature = "async-openai")]
+#[cfg_attr(docsrs, doc(cfg(feature = "async-openai")))]
+pub mod async_openai;
 #[cfg(feature = "mock")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub mod mock;

@@ -5,6 +5,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+#[cfg(feature = "async-openai")]
+mod async_openai;
 mod auth;
 mod axum_proxy;
 mod backoff;
