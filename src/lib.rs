@@ -180,6 +180,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `auth` | yes | [`auth`]: [`AuthLayer`], the credential on every request, refreshed on `401`, rotated through a key pool |
+//! | `google-auth` | no | [`auth::GoogleToken`]: Google OAuth access tokens for Vertex AI, from the metadata server or a user's application-default credentials, through your HTTP client (implies `auth`; no new dependency) |
 //! | `fallback` | yes | [`fallback`]: [`ModelFallbackLayer`], a chain of models and upstreams to fail over to |
 //! | `overflow` | yes | [`overflow`]: [`ContextOverflowLayer`], a `max_tokens` lowered to fit the context window |
 //! | `continuation` | no | [`continuation`]: [`ContinuationLayer`], an answer cut at `max_tokens` continued (for agents) |
@@ -249,6 +250,10 @@
 #![cfg_attr(
     not(feature = "async-openai"),
     doc = "[`async_openai::HttpService`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "google-auth"),
+    doc = "[`auth::GoogleToken`]: crate#features"
 )]
 #![cfg_attr(
     not(feature = "fleet-redis"),

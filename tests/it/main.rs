@@ -23,6 +23,8 @@ mod first_output;
 mod fleet;
 #[cfg(feature = "fleet-redis")]
 mod fleet_redis;
+#[cfg(feature = "google-auth")]
+mod google_auth;
 mod http2;
 mod incomplete_stream;
 mod mcp;
