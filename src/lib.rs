@@ -180,6 +180,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `auth` | yes | [`auth`]: [`AuthLayer`], the credential on every request, refreshed on `401`, rotated through a key pool |
+//! | `google-auth` | no | [`auth::GoogleToken`]: Google OAuth access tokens for Vertex AI, from the metadata server or a user's application-default credentials, through your HTTP client (implies `auth`; no new dependency) |
 //! | `fallback` | yes | [`fallback`]: [`ModelFallbackLayer`], a chain of models and upstreams to fail over to |
 //! | `overflow` | yes | [`overflow`]: [`ContextOverflowLayer`], a `max_tokens` lowered to fit the context window |
 //! | `continuation` | no | [`continuation`]: [`ContinuationLayer`], an answer cut at `max_tokens` continued (for agents) |
@@ -190,6 +191,7 @@
 //! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
 //! | `fleet-redis` | no | [`fleet::RedisFleet`]: the fleet's gate, budget and pacing shared across processes through Redis (pulls in `redis`) |
 //! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
+//! | `async-openai` | no | [`async_openai::HttpService`]: the stack as async-openai's HTTP service, for `Client::with_http_service` (implies `reqwest`; pulls in `async-openai` without a TLS feature) |
 //!
 //! # Where it plugs in
 //!
@@ -246,6 +248,14 @@
     doc = "[`reqwest_middleware::RetryMiddleware`]: crate#features"
 )]
 #![cfg_attr(
+    not(feature = "async-openai"),
+    doc = "[`async_openai::HttpService`]: crate#features"
+)]
+#![cfg_attr(
+    not(feature = "google-auth"),
+    doc = "[`auth::GoogleToken`]: crate#features"
+)]
+#![cfg_attr(
     not(feature = "fleet-redis"),
     doc = "[`fleet::RedisFleet`]: crate#features"
 )]
@@ -293,6 +303,9 @@ pub mod retry;
 pub mod stream;
 mod time;
 
+#[cfg(feature = "async-openai")]
+#[cfg_attr(docsrs, doc(cfg(feature = "async-openai")))]
+pub mod async_openai;
 #[cfg(feature = "mock")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub mod mock;

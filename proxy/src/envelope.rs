@@ -36,6 +36,10 @@ pub enum Reject {
     Deadline,
     /// The proxy could not get a credential for the upstream.
     Credential,
+    /// The request to the upstream cannot be sent as the proxy is configured (the upstream's
+    /// host is not a name the TLS connector can use, say): the proxy's configuration is at
+    /// fault, nothing was sent, and no retry can fix it.
+    Unsendable,
     /// A method the proxy does not forward (`TRACE`, `CONNECT`, anything outside the
     /// methods the APIs use).
     MethodNotAllowed,
@@ -57,6 +61,7 @@ impl Reject {
             Reject::Busy | Reject::BodyMemory | Reject::Budget => StatusCode::SERVICE_UNAVAILABLE,
             Reject::Upstream | Reject::Credential => StatusCode::BAD_GATEWAY,
             Reject::Deadline => StatusCode::GATEWAY_TIMEOUT,
+            Reject::Unsendable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -75,6 +80,7 @@ impl Reject {
             Reject::Budget => "budget",
             Reject::Deadline => "deadline",
             Reject::Credential => "credential",
+            Reject::Unsendable => "upstream_unsendable",
             Reject::MethodNotAllowed => "method_not_allowed",
             Reject::BadPath => "bad_path",
         }

@@ -940,9 +940,15 @@ impl State {
                     }
                     Some(ErrorKind::TokenRefresh) => (Reject::Credential, false),
                     Some(ErrorKind::Exhausted) => (Reject::Upstream, true),
+                    Some(ErrorKind::Unsendable) => (Reject::Unsendable, false),
                     _ => (Reject::Upstream, false),
                 };
                 let what = err_kind.map_or("upstream_error", |k| k.as_str());
+                // What to change, when the proxy's configuration is what failed.
+                let cause = lib
+                    .and_then(|e| std::error::Error::source(e))
+                    .and_then(|s| s.downcast_ref::<tower_llm_retry::classify::Unsendable>())
+                    .map(|u| u.cause());
                 tracing::warn!(
                     method = %method,
                     upstream = %up.name,
@@ -953,14 +959,18 @@ impl State {
                     "request failed"
                 );
                 self.metrics.request(&up.name, reject.status().as_u16());
-                let mut res = self.reject(
-                    kind,
-                    reject,
-                    &format!(
+                let message = match cause {
+                    Some(cause) => format!(
+                        "upstream {:?} cannot be sent to as the proxy is configured (nothing \
+                         was sent): {cause}",
+                        up.name
+                    ),
+                    None => format!(
                         "upstream {:?} failed after {attempts} attempt(s): {what}",
                         up.name
                     ),
-                );
+                };
+                let mut res = self.reject(kind, reject, &message);
                 let h = res.headers_mut();
                 h.insert(ATTEMPTS, HeaderValue::from(attempts));
                 if mode != Mode::Off && (retried || mode == Mode::ClientRetry) {

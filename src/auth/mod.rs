@@ -39,6 +39,7 @@
 //! | [`ApiKey::new(key)`](ApiKey::new), [`ApiKey::with_header(key, CredentialHeader::Bearer)`](ApiKey::with_header) | one static key, as `x-api-key` or `authorization: Bearer …`; a `401` is returned as it is | — |
 //! | [`ApiKeyPool::new([k1, k2, …])`](ApiKeyPool::new) | keys in turn; on a rate-limit `429` (not an exhausted quota) the key rests for the `Retry-After` and the request is re-sent at once with the next usable key; when every key rests, the `429` goes to `RetryLayer`'s ordinary backoff | a rest without `Retry-After`: 5 s ([`default_rest`](ApiKeyPool::default_rest)); at most a day; a key answered `401`: 1 min doubling to 1 h ([`quarantine`](ApiKeyPool::quarantine)); no key set aside for a `401` to a request with `openai-organization`, `openai-project` or `anthropic-beta` ([`request_scoped_headers`](ApiKeyPool::request_scoped_headers)) |
 //! | [`RefreshingToken::new(async closure)`](RefreshingToken::new) | a token fetched by your function, sent as `authorization: Bearer …`: single-flight (1,000 concurrent `401`s → one call, no background task), refreshed ahead of expiry (from the advisory window on, one request refreshes and the rest keep the current token; from the mandatory window on, requests wait); after a failure every waiter gets `TokenRefresh` and refreshing rests; a refresh survives a request that gives up on it | windows 120 s and 30 s ([`refresh_windows`](RefreshingToken::refresh_windows)); rest 1 s doubling to 30 s ([`failure_backoff`](RefreshingToken::failure_backoff)); timeout 30 s ([`refresh_timeout`](RefreshingToken::refresh_timeout)) |
+//! | `GoogleToken::metadata_server(client)`, `GoogleToken::authorized_user(client, json)` (feature `google-auth`) | a [`RefreshingToken`] whose closure fetches Google OAuth access tokens (Vertex AI) through `client`: from the metadata server, or by exchanging the refresh token of `gcloud auth application-default login`'s file; a service-account key (which needs signing) goes in a `RefreshingToken::new` closure of your own | [`RefreshingToken`]'s; the token URL: Google's ([`token_url`][google-token-url]) |
 //!
 //! The layer keeps no copy of the request and reads no body: the retry loop around it holds
 //! the request, classifies each answer once (a `429` whose body names an exhausted quota is
@@ -129,10 +130,20 @@
     doc = "[credential]: crate::fallback::Target::credential"
 )]
 #![cfg_attr(not(feature = "fallback"), doc = "[credential]: crate#features")]
+#![cfg_attr(
+    feature = "google-auth",
+    doc = "[google-token-url]: GoogleToken::token_url"
+)]
+#![cfg_attr(
+    not(feature = "google-auth"),
+    doc = "[google-token-url]: crate#features"
+)]
 
 pub(crate) mod api_key;
 mod credential;
 mod future;
+#[cfg(feature = "google-auth")]
+mod google;
 pub(crate) mod layer;
 mod refresh;
 mod service;
@@ -145,6 +156,9 @@ pub use self::credential::{
 pub use self::future::ResponseFuture;
 #[cfg(feature = "fallback")]
 pub(crate) use self::future::TargetCredential;
+#[cfg(feature = "google-auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "google-auth")))]
+pub use self::google::{GoogleToken, METADATA_TOKEN_URL, OAUTH_TOKEN_URL};
 pub use self::refresh::{RefreshingToken, Token};
 pub use self::service::Auth;
 #[cfg(doc)]

@@ -608,6 +608,14 @@ const UNSENDABLE_MESSAGES: &[(&str, bool, &str)] = &[
         "the client's HTTPS connector does not speak the URL's scheme (built `https_only`, \
          it takes https:// only)",
     ),
+    // rustls-pki-types, through hyper-rustls's server-name resolver, before it connects: the
+    // URL's host is neither an IP address nor a valid DNS name (`https://999.1.1.1`).
+    (
+        "invalid dns name",
+        false,
+        "the URL's host is neither an IP address nor a valid DNS name, so the TLS connector \
+         cannot name the server; fix the host in the URL",
+    ),
     // hyper-util's legacy client, before it connects.
     (
         "client error (UserAbsoluteUriRequired)",
@@ -634,7 +642,8 @@ const UNSENDABLE_MESSAGES: &[(&str, bool, &str)] = &[
 /// raises before it connects because of the URL or its connector: hyper-util's `HttpConnector`
 /// refusing a scheme other than http:// ("invalid URL, scheme is not http", the error of
 /// `build_http()` pointed at `https://`), a URL without scheme or host, hyper-rustls's
-/// `https_only` connector refusing http://, hyper-util's client refusing a URI that is not
+/// `https_only` connector refusing http://, hyper-rustls refusing a host that is neither an IP
+/// address nor a valid DNS name, hyper-util's client refusing a URI that is not
 /// absolute or an HTTP version its connection does not speak, reqwest refusing a scheme or
 /// failing to build the request. A timeout, refusal or reset is never one of these. Each
 /// error's message is read up to 64 bytes, so a hostile or huge message costs nothing.

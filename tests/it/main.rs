@@ -5,6 +5,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+#[cfg(feature = "async-openai")]
+mod async_openai;
 mod auth;
 mod axum_proxy;
 mod backoff;
@@ -21,6 +23,8 @@ mod first_output;
 mod fleet;
 #[cfg(feature = "fleet-redis")]
 mod fleet_redis;
+#[cfg(feature = "google-auth")]
+mod google_auth;
 mod http2;
 mod incomplete_stream;
 mod mcp;

@@ -141,6 +141,36 @@ async fn https_only_connector_refuses_http_at_once() {
     assert_eq!(server.request_count(), 0);
 }
 
+/// hyper-rustls names the TLS server from the URL's host before it connects: a host that is
+/// neither an IP address nor a valid DNS name (a mistyped address) cannot be named.
+#[tokio::test(start_paused = true)]
+async fn https_host_that_is_not_a_server_name_fails_at_once() {
+    let https = HttpsConnectorBuilder::new()
+        .with_tls_config(
+            rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        )
+        .https_or_http()
+        .enable_http1()
+        .build();
+    let client = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(https);
+    let start = Instant::now();
+    let err = ServiceBuilder::new()
+        .layer(RetryLayer::new())
+        .service(client)
+        .oneshot(anthropic_request("https://999.1.1.1/v1/messages", BODY))
+        .await
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    let chain = assert_unsendable(&err, "host");
+    assert!(chain.contains("invalid dns name"), "{chain}");
+}
+
 /// reqwest refuses a scheme other than http and https before it connects.
 #[tokio::test(start_paused = true)]
 async fn reqwest_refuses_a_scheme_at_once() {

@@ -192,6 +192,55 @@ async fn an_unreachable_upstream_is_a_502_in_the_envelope_after_the_retries() {
     openai_envelope(&json(res).await, "server_error");
 }
 
+/// An upstream the proxy cannot send to as configured (a host that is neither an IP address
+/// nor a DNS name, which the TLS connector cannot name): a `500` at once, in the envelope,
+/// naming the cause, after one attempt that sent nothing. (It was the `502` of an unreachable
+/// upstream, after every retry.)
+#[tokio::test(start_paused = true)]
+async fn an_upstream_that_cannot_be_sent_to_is_a_500_at_once_naming_the_cause() {
+    let h = start_with(Script::always(Reply::success()), |c| {
+        for up in &mut c.upstream {
+            up.url = "https://999.1.1.1".into();
+        }
+    })
+    .await;
+    let start = tokio::time::Instant::now();
+    let res = h.messages(MESSAGES).await;
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(res.status(), 500);
+    assert_eq!(
+        header(&res, "x-llm-retry-error"),
+        Some("upstream_unsendable")
+    );
+    assert_eq!(header(&res, "x-should-retry"), Some("false"));
+    assert_eq!(header(&res, "x-llm-retry-attempts"), Some("1"));
+    let body = json(res).await;
+    anthropic_envelope(&body, "api_error");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("cannot be sent to as the proxy is configured")
+            && message.contains("neither an IP address nor a valid DNS name"),
+        "{message}"
+    );
+    let res = h
+        .send(
+            Request::post(h.url("/v1/chat/completions"))
+                .body(Full::from(CHAT_STREAM))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(res.status(), 500);
+    assert_eq!(
+        header(&res, "x-llm-retry-error"),
+        Some("upstream_unsendable")
+    );
+    openai_envelope(&json(res).await, "server_error");
+    assert_eq!(h.mock.request_count(), 0);
+    let m = h.proxy.metrics().render();
+    let line = "llm_retry_proxy_requests_total{upstream=\"anthropic\",status=\"500\"} 1";
+    assert!(m.contains(line), "missing {line}:\n{m}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_stalled_body_is_a_408_and_gives_its_slot_back() {
     let h = start_with(Script::always(Reply::success()), |c| {
