@@ -214,6 +214,9 @@ pub(crate) struct Pacer {
     warming: AtomicBool,
     // When the warm-up may end, if no one waits then: set by its first attempt.
     warm_until: std::sync::OnceLock<Instant>,
+    // The factor a warm-up woken by a burst of refusals fell by, for the fleet's shared
+    // schedule to fall by too (taken by the refusal's report).
+    wake_factor: Mutex<Option<f64>>,
     // While dormant: the attempts sent, and samples of that count, for the rate to wake at.
     dormant_sends: AtomicU64,
     samples: Mutex<Samples>,
@@ -286,6 +289,7 @@ impl Pacer {
             awake: AtomicBool::new(!config.dormant || warming),
             warming: AtomicBool::new(warming),
             warm_until: std::sync::OnceLock::new(),
+            wake_factor: Mutex::new(None),
             dormant_sends: AtomicU64::new(0),
             samples: Mutex::new(Samples::default()),
             woken_by: AtomicU8::new(0),
@@ -501,6 +505,12 @@ impl Pacer {
     /// 25 % above it per cycle: a server that counts a quota per window is sent its quota
     /// spread over the window instead of in a burst at the window's start.
     pub(crate) fn on_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
+        self.on_refusal_by(epoch, retry_after, None);
+    }
+
+    /// [`on_refusal`](Pacer::on_refusal), the rate multiplied by at most `factor` (the share
+    /// of its attempts the server admitted, when a burst of refusals measured it).
+    fn on_refusal_by(&self, epoch: u64, retry_after: Option<Duration>, factor: Option<f64>) {
         let now = Instant::now();
         let mut s = self.lock();
         if epoch < s.epoch {
@@ -509,8 +519,10 @@ impl Pacer {
         s.epoch += 1;
         // Leaving slow start, the rate has overshot by up to a round of doubling: halve it,
         // as TCP does, before the gentle decreases take over.
+        // Measured, what the server admitted says how far (the refusal that ends slow start
+        // only: the fleet's others are the usual decrease).
         let factor = if s.slow_start {
-            self.config.decrease.min(0.5)
+            self.config.decrease.min(0.5).min(factor.unwrap_or(1.0))
         } else {
             self.config.decrease
         };
@@ -620,6 +632,15 @@ impl Pacer {
         if self.warm_until.set(now + self.config.warm_up).is_ok() && s.next_time.is_none() {
             s.next_time = Some(now);
         }
+    }
+
+    /// The factor a warm-up woken by a burst of refusals fell by, once: for the report of
+    /// that refusal to the fleet's shared schedule.
+    pub(crate) fn take_wake_factor(&self) -> Option<f64> {
+        self.wake_factor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 
     /// Whether the pacing limits anything now: woken, or warming up a scope that has sent
@@ -762,13 +783,13 @@ impl Pacer {
     }
 
     /// A `429` came while the pacing was dormant: whether the newest `429`s of the last
-    /// [`BURST_WINDOW`] make a burst, at least [`BURST_REFUSALS`] of them and at least a
+    /// [`BURST_WINDOW`] make a burst (then `Some` share of the attempts the server admitted), at least [`BURST_REFUSALS`] of them and at least a
     /// [`BURST_SHARE`]th of the attempts sent since the first of them came. Attempts sent,
     /// not answers: refusals come back faster than replies, and would otherwise be all the
     /// answers of a first moment. A steady background of
     /// random refusals, even at 15 %, does not: over a few dozen answers its share stays
     /// well below a quarter. A server refusing the part of the demand above its limit does.
-    pub(crate) fn refusal_burst(&self) -> bool {
+    pub(crate) fn refusal_burst(&self) -> Option<f64> {
         let now = Instant::now();
         let sent = self.dormant_sends.load(Ordering::Relaxed);
         let mut r = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
@@ -781,22 +802,40 @@ impl Pacer {
             r.pop_front();
         }
         // The newest `n` of them, for every `n` from the fewest that count: a burst after a
-        // spell of noise is not diluted by the spell.
-        r.iter().rev().enumerate().any(|(i, &(_, before))| {
-            let n = i as u64 + 1;
-            n >= BURST_REFUSALS && n * BURST_SHARE >= sent.saturating_sub(before)
-        })
+        // spell of noise is not diluted by the spell. The largest share refused of those
+        // that count says what the server admits.
+        r.iter()
+            .rev()
+            .enumerate()
+            .filter_map(|(i, &(_, before))| {
+                let n = i as u64 + 1;
+                let sent = sent.saturating_sub(before);
+                (n >= BURST_REFUSALS && n * BURST_SHARE >= sent)
+                    .then(|| 1.0 - n as f64 / sent.max(n) as f64)
+            })
+            .reduce(f64::min)
     }
 
     /// A dormant pacing wakes on a `429` that shows a limit (`cause`) with the server's
     /// `retry_after`: from the rate measured over the last second, as if slow start had
     /// reached it, the refusal then taken as slow start's end. A warm-up wakes from its own
     /// rate, the refusal ending its slow start. No-op once woken.
-    pub(crate) fn wake_on_refusal(&self, retry_after: Option<Duration>, cause: PacingWake) {
+    ///
+    /// `admitted` is the share of the attempts the server admitted, when a burst of refusals
+    /// measured it: a warm-up's rate, in slow start, may be several times what the server
+    /// takes by then, and it falls to that share of it (within [`MIN_WAKE_FACTOR`] and a
+    /// half) instead of halving and decreasing slowly from there.
+    pub(crate) fn wake_on_refusal(
+        &self,
+        retry_after: Option<Duration>,
+        cause: PacingWake,
+        admitted: Option<f64>,
+    ) {
         if self.is_woken() {
             return;
         }
         if self.is_warming() {
+            let factor = admitted.map(|a| a.clamp(MIN_WAKE_FACTOR, 0.5));
             let epoch = {
                 let s = self.lock();
                 if !self.is_warming() {
@@ -804,9 +843,13 @@ impl Pacer {
                 }
                 self.set_woken_by(cause);
                 self.warming.store(false, Ordering::Release);
+                *self
+                    .wake_factor
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = factor;
                 s.epoch
             };
-            self.on_refusal(epoch, retry_after);
+            self.on_refusal_by(epoch, retry_after, factor);
             tracing::debug!(rate = self.rate(), %cause, "pacing warm-up woken by a rate limit");
             return;
         }
@@ -887,6 +930,10 @@ const RATE_WINDOW: Duration = Duration::from_secs(1);
 const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 /// The most timestamps kept (at one per [`SAMPLE_SPACING`], a window holds about 20).
 const MAX_SAMPLES: usize = 64;
+
+/// The least a warm-up's rate is multiplied by when a burst of refusals wakes it: a burst
+/// measured over a few attempts says only roughly what the server admits.
+const MIN_WAKE_FACTOR: f64 = 0.2;
 
 /// The window a dormant pacing looks for a burst of `429`s in.
 const BURST_WINDOW: Duration = Duration::from_secs(10);

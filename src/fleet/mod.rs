@@ -755,16 +755,13 @@ impl Fleet {
     pub(crate) fn ticket(&self, limits: Limits<'_>, deadline: Option<Instant>) -> Option<Ticket> {
         let pacer = self.pacer()?;
         // Dormant, the pacing only counts what goes out, until the server signals a limit.
-        // Warming a new scope up, it counts as well, and sleeps once the warm-up is over with
-        // no one in line.
+        // Warming a new scope up, it counts each attempt as its turn comes (the ticket does),
+        // and sleeps once the warm-up is over with no one in line.
         if !pacer.is_awake()
             || (pacer.is_warming() && pacer.end_warm_up(|| self.inner.store.line_is_empty()))
         {
             pacer.dormant_send();
             return None;
-        }
-        if pacer.is_warming() {
-            pacer.dormant_send();
         }
         let now = Instant::now();
         // A ceiling set to "forever" must not overflow the instant.
@@ -812,11 +809,15 @@ impl Fleet {
     /// An attempt sent in `epoch` was refused for load.
     pub(crate) fn paced_refusal(&self, epoch: u64, retry_after: Option<Duration>) {
         // A warm-up is not slowed by refusals that are no evidence of a limit (evidence wakes
-        // it, before this, from the same answer).
-        if self.pacer().is_some_and(Pacer::is_warming) {
+        // it, before this, from the same answer), unless the turn came from a shared
+        // schedule another process's evidence already slowed (its epoch is past the first):
+        // the fleet is limited, and this process's refusals count as the others' do.
+        let slowed_elsewhere = epoch & store::REMOTE_EPOCH != 0 && epoch & !store::REMOTE_EPOCH > 0;
+        if self.pacer().is_some_and(Pacer::is_warming) && !slowed_elsewhere {
             return;
         }
-        if self.inner.store.paced_refusal(epoch) {
+        let factor = self.pacer().and_then(Pacer::take_wake_factor);
+        if self.inner.store.paced_refusal(epoch, factor) {
             return;
         }
         if let Some(p) = self.pacer() {
@@ -879,16 +880,16 @@ impl Fleet {
             if !pacer.is_woken() && head.status == StatusCode::TOO_MANY_REQUESTS {
                 let wait = retry_after.map(|w| w.min(ceiling));
                 let cause = if wait.is_some_and(|w| w >= limit::MIN_INFORMED_WAIT) {
-                    Some(PacingWake::QuotaReset)
+                    Some((PacingWake::QuotaReset, None))
                 } else if wait.is_some_and(|w| w > limits.backoff.max(WHOLE_SECOND)) {
-                    Some(PacingWake::LongRetryAfter)
-                } else if pacer.refusal_burst() {
-                    Some(PacingWake::RefusalShare)
+                    Some((PacingWake::LongRetryAfter, None))
                 } else {
-                    None
+                    pacer
+                        .refusal_burst()
+                        .map(|admitted| (PacingWake::RefusalShare, Some(admitted)))
                 };
-                if let Some(cause) = cause {
-                    pacer.wake_on_refusal(wait, cause);
+                if let Some((cause, admitted)) = cause {
+                    pacer.wake_on_refusal(wait, cause, admitted);
                 }
             }
             if let Some(limit) = counts.limit() {

@@ -176,14 +176,18 @@ impl Store {
     /// An attempt sent in `epoch` was refused for load: true when the epoch was one of the
     /// shared schedule (reported to it, when the store still has one), false when it is the
     /// local pacer's.
-    pub(crate) fn paced_refusal(&self, epoch: u64) -> bool {
+    /// `factor`: the most the shared rate is to be multiplied by (a warm-up woken by a burst
+    /// of refusals), if less than the usual decrease.
+    pub(crate) fn paced_refusal(&self, epoch: u64, factor: Option<f64>) -> bool {
         if epoch & REMOTE_EPOCH == 0 {
             return false;
         }
         match self {
-            Store::Local => {}
+            Store::Local => {
+                let _ = factor;
+            }
             #[cfg(feature = "fleet-redis")]
-            Store::Redis(link) => link.paced_refusal(epoch & !REMOTE_EPOCH),
+            Store::Redis(link) => link.paced_refusal(epoch & !REMOTE_EPOCH, factor),
         }
         true
     }

@@ -43,6 +43,14 @@ impl Ticket {
     /// on joining, when the wait expected at the rate of the moment is longer; at the head,
     /// when its instant is later; behind others, when the bound comes. The ticket has then
     /// left the line.
+    /// The turn came: a warm-up counts the attempt as it goes, for the share of refusals a
+    /// burst shows (counted on joining, those queued behind would dilute it).
+    fn sent(&self) {
+        if let Some(pacer) = self.fleet.pacer().filter(|p| p.is_warming()) {
+            pacer.dormant_send();
+        }
+    }
+
     pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
         if let Some(remote) = &mut self.remote {
             let outcome = std::task::ready!(remote.poll(cx));
@@ -50,6 +58,7 @@ impl Ticket {
             match outcome {
                 RemoteOutcome::Go(epoch) => {
                     self.done = true;
+                    self.sent();
                     return Poll::Ready(Ok(epoch | REMOTE_EPOCH));
                 }
                 RemoteOutcome::TooFar(wait) => {
@@ -71,6 +80,7 @@ impl Ticket {
                 Turn::Go(epoch) => {
                     self.done = true;
                     self.sleep = None;
+                    self.sent();
                     return Poll::Ready(Ok(epoch));
                 }
                 Turn::Wait(at) if at > self.give_up_at => {

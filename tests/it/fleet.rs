@@ -2340,7 +2340,7 @@ async fn a_limit_met_during_the_warm_up_wakes_the_pacing_for_good_and_spares_the
     // A token bucket of 20 a second that holds one second's worth, as the proxy's storm
     // bench has, and 200 clients starting together: without a warm-up all 200 first attempts
     // go at once, 180 of them into refusals.
-    let mut first_second = Vec::new();
+    let (mut first_second, mut second_second) = (Vec::new(), Vec::new());
     for warm_up in [Duration::ZERO, Duration::from_secs(3)] {
         let server = MockServer::start(
             Script::new().capacity(tower_llm_retry::mock::Capacity::token_bucket(20.0, 20)),
@@ -2366,6 +2366,7 @@ async fn a_limit_met_during_the_warm_up_wakes_the_pacing_for_good_and_spares_the
         );
         let at = arrivals(&server, origin);
         first_second.push(at.iter().filter(|t| **t < Duration::from_secs(1)).count());
+        second_second.push(at.iter().filter(|t| t.as_secs() == 1).count());
         // Either way the burst of refusals is evidence, and the pacing stays awake.
         assert_eq!(scope.pacing_state(), Some(Some(PacingWake::RefusalShare)));
         tokio::time::sleep_until(origin + Duration::from_secs(60)).await;
@@ -2376,6 +2377,10 @@ async fn a_limit_met_during_the_warm_up_wakes_the_pacing_for_good_and_spares_the
     // 50/s doubling: 72 attempts in the first second, less those held behind the
     // evidence's halving.
     assert!(first_second[1] <= 72, "{first_second:?}");
+    // Woken from the warm-up, the rate falls to the share of it the server admitted (about
+    // a quarter, here) at once, not by half and then 5 % a round: the next second holds
+    // about the capacity's worth of attempts (without a warm-up, 144).
+    assert!(second_second[1] <= 25, "{second_second:?}");
 }
 
 #[tokio::test(start_paused = true)]

@@ -537,7 +537,11 @@ async fn dormant_after(n: u64, every: Duration) -> Pacer {
 async fn a_dormant_pacing_wakes_at_the_rate_it_measured_halved() {
     // 500/s for 12 s; a refusal with a short Retry-After.
     let p = dormant_after(6_000, Duration::from_millis(2)).await;
-    p.wake_on_refusal(Some(Duration::from_secs(1)), PacingWake::LongRetryAfter);
+    p.wake_on_refusal(
+        Some(Duration::from_secs(1)),
+        PacingWake::LongRetryAfter,
+        None,
+    );
     assert!(p.is_awake());
     assert!((p.rate() - 250.0).abs() < 1e-6, "{}", p.rate());
     // Out of slow start: the next refusal is the usual decrease.
@@ -554,7 +558,7 @@ async fn a_dormant_pacing_wakes_at_the_rate_it_measured_halved() {
 async fn a_dormant_pacing_woken_by_a_quota_reads_it_from_everything_it_counted() {
     // 6,000 in 12 s, then the window's 429 with 48 s to its reset: 6,000 per 60 s.
     let p = dormant_after(6_000, Duration::from_millis(2)).await;
-    p.wake_on_refusal(Some(Duration::from_secs(48)), PacingWake::QuotaReset);
+    p.wake_on_refusal(Some(Duration::from_secs(48)), PacingWake::QuotaReset, None);
     assert!((p.rate() - 100.0).abs() < 1e-6, "{}", p.rate());
 }
 
@@ -567,7 +571,7 @@ async fn a_long_lived_fleet_reads_a_quota_from_its_last_minute_not_its_lifetime(
         p.dormant_send();
         tokio::time::advance(Duration::from_millis(2)).await;
     }
-    p.wake_on_refusal(Some(Duration::from_secs(48)), PacingWake::QuotaReset);
+    p.wake_on_refusal(Some(Duration::from_secs(48)), PacingWake::QuotaReset, None);
     // (6,000 + 240) over the 60 s counted and the 48 s to wait: about 58/s; over the
     // whole life it would be about 6/s.
     let rate = p.rate();
@@ -578,11 +582,11 @@ async fn a_long_lived_fleet_reads_a_quota_from_its_last_minute_not_its_lifetime(
 async fn a_young_or_slow_dormant_fleet_wakes_no_lower_than_initial() {
     // 3 attempts, then a 429: three in a second is no measure of the server.
     let p = dormant_after(3, Duration::from_millis(10)).await;
-    p.wake_on_refusal(None, PacingWake::RefusalShare);
+    p.wake_on_refusal(None, PacingWake::RefusalShare, None);
     assert_eq!(p.rate(), 50.0);
     // None counted at all: the same.
     let p = Pacer::new(eager().dormant(true));
-    p.wake_on_refusal(None, PacingWake::RefusalShare);
+    p.wake_on_refusal(None, PacingWake::RefusalShare, None);
     assert_eq!(p.rate(), 50.0);
 }
 
@@ -597,7 +601,7 @@ async fn a_stated_limit_caps_a_dormant_pacing_without_waking_it() {
     );
     // Woken by a refusal, it starts from the cap, not from what it measured (200/s),
     // halved as every wake is.
-    p.wake_on_refusal(None, PacingWake::RefusalShare);
+    p.wake_on_refusal(None, PacingWake::RefusalShare, None);
     assert!(p.is_awake());
     assert_eq!(p.rate(), 5.0);
     assert!(Pacer::new(eager()).is_awake());

@@ -46,7 +46,7 @@ pub(super) struct Shared {
     /// Successes to report with the next reservation; a refusal (the highest epoch) and a
     /// stated limit (f64 bits of its rate) to report.
     pub(super) successes: AtomicU64,
-    pub(super) refusal: Mutex<Option<u64>>,
+    pub(super) refusal: Mutex<Option<(u64, Option<f64>)>>,
     pub(super) stated: AtomicU64,
     pub(super) stated_pending: AtomicBool,
     pub(super) mode: std::sync::atomic::AtomicU8,
@@ -327,11 +327,18 @@ impl Link {
     }
 
     /// An attempt that had a turn of the fleet's schedule in `epoch` was refused for load.
-    pub(crate) fn paced_refusal(&self, epoch: u64) {
+    /// `factor`: the most the rate is to be multiplied by, if less than the usual decrease.
+    pub(crate) fn paced_refusal(&self, epoch: u64, factor: Option<f64>) {
         let s = &self.shared;
         let mut refusal = s.refusal.lock().unwrap_or_else(PoisonError::into_inner);
-        if refusal.is_none_or(|e| epoch > e) {
-            *refusal = Some(epoch);
+        match &mut *refusal {
+            Some((e, f)) if *e >= epoch => {
+                // The same round: the steeper fall stands.
+                if epoch == *e {
+                    *f = min_factor(*f, factor);
+                }
+            }
+            r => *r = Some((epoch, factor)),
         }
         drop(refusal);
         s.wake.notify_one();
@@ -449,4 +456,12 @@ pub(super) fn divide(config: BudgetConfig, processes: u32) -> BudgetConfig {
         config.get_retry_ratio(),
     )
     .unwrap_or(config)
+}
+
+/// The steeper of two falls of the rate, either given or not.
+pub(super) fn min_factor(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }

@@ -258,7 +258,7 @@ impl Task {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let (Some(epoch), Some(pacer)) = (refusal, &s.pacer) {
+        if let (Some((epoch, factor)), Some(pacer)) = (refusal, &s.pacer) {
             let c = pacer.config();
             let mut inv = self.refuse.prepare_invoke();
             inv.key(&s.keys.pace)
@@ -266,15 +266,21 @@ impl Task {
                 .arg(c.get_decrease())
                 .arg(c.get_min())
                 .arg(c.get_initial())
-                .arg(c.get_max());
+                .arg(c.get_max())
+                .arg(factor.unwrap_or(1.0));
             called = true;
             let rate: String = match self.call(inv, conn).await {
                 Ok(rate) => rate,
                 Err(()) => {
                     // Sent again next round, unless a later refusal replaces it.
                     let mut refusal = s.refusal.lock().unwrap_or_else(PoisonError::into_inner);
-                    if refusal.is_none_or(|e| epoch > e) {
-                        *refusal = Some(epoch);
+                    match &mut *refusal {
+                        Some((e, f)) if *e >= epoch => {
+                            if epoch == *e {
+                                *f = super::link::min_factor(*f, factor);
+                            }
+                        }
+                        r => *r = Some((epoch, factor)),
                     }
                     return Err(());
                 }
