@@ -74,8 +74,12 @@ pub struct Config {
     /// The name of an environment variable holding the client token. Defaults to none.
     pub client_token_env: Option<String>,
     /// A Redis (or Valkey) URL, `redis://host:port/db`, `rediss://…` or
-    /// `redis+unix:///path`: every replica given the same URL shares the budget, the cooldown
-    /// gate and the pacing of each (upstream, credential) with the others. Only hashes of the
+    /// `redis+unix:///path`, or a Redis Cluster's seed nodes,
+    /// `redis+cluster://[user:password@]host1:port1,host2:port2` (`rediss+cluster://…` for
+    /// TLS; the credentials apply to every node): every replica given the same URL shares the
+    /// budget, the cooldown gate and the pacing of each (upstream, credential) with the
+    /// others. On a cluster each (upstream, credential) lives on the node of its hash slot, and
+    /// a lost node costs only the coordination of those on its slots. Only hashes of the
     /// upstream and the credential reach Redis. The URL may carry a password: it is shown as
     /// `"***"` and never logged. Defaults to none (each replica on its own).
     pub redis_url: Option<Secret>,
@@ -1225,7 +1229,7 @@ impl Config {
         }
         // The library's error never quotes the URL (it may carry a password).
         let store = RedisFleet::from_url(url.expose())
-            .map_err(|_| ConfigError::new("redis_url is not a valid Redis URL"))?;
+            .map_err(|e| ConfigError::new(format!("redis_url is not a valid Redis URL ({e})")))?;
         // Every tenant's fleet is built from this one store: its scripts share one connection,
         // and its closings arrive on one pub/sub connection, whatever the number of tenants
         // (a client may make tenants at will with made-up keys).
@@ -1377,6 +1381,40 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("redis_prefix"), "{e}");
         assert_eq!(Config::default().redis_store().unwrap().map(|_| ()), None);
+    }
+
+    #[test]
+    fn a_redis_cluster_url_is_checked_masked_and_overridable() {
+        let mut c = Config::from_toml(
+            "redis_url = \"redis+cluster://:pa55-SECRET@10.0.0.5:7000,10.0.0.6:7001\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.redis_store().unwrap().is_some());
+        let shown = c.masked();
+        assert!(shown.contains("redis_url = \"***\""), "{shown}");
+        assert!(!shown.contains("SECRET") && !format!("{c:?}").contains("SECRET"));
+        // A cluster has one database: a path naming another is refused, without the URL.
+        c.apply_env([(
+            "LLM_RETRY_PROXY_REDIS_URL".into(),
+            "redis+cluster://:pa55-SECRET@10.0.0.5:7000,10.0.0.6:7001/3".into(),
+        )])
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("redis_url") && e.contains("database 0"), "{e}");
+        assert!(!e.contains("SECRET"), "{e}");
+        c.apply_env([(
+            "LLM_RETRY_PROXY_REDIS_URL".into(),
+            "redis+cluster://10.0.0.5:7000".into(),
+        )])
+        .unwrap();
+        c.validate().unwrap();
+        let e = Config::from_toml("redis_url = \"redis+cluster://:pw-SECRET@/\"\n")
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("redis_url") && !e.contains("SECRET"), "{e}");
     }
 
     #[test]

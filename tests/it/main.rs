@@ -21,6 +21,8 @@ mod first_output;
 mod fleet;
 #[cfg(feature = "fleet-redis")]
 mod fleet_redis;
+#[cfg(feature = "fleet-redis-cluster")]
+mod fleet_redis_cluster;
 mod http2;
 mod incomplete_stream;
 mod mcp;

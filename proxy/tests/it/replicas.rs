@@ -59,6 +59,18 @@ fn redis_server_is_installed_under_ci() {
 #[ignore = "needs redis-server; run as the README's Tests say"]
 async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_closed() {
     let redis = redis_server::RedisServer::start();
+    held_at_the_gate_another_replica_closed(redis.url()).await;
+}
+
+/// The same with `redis_url` naming a Redis Cluster of three primaries by its seed nodes.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn replicas_sharing_a_redis_cluster_hold_a_tenant_at_the_gate_another_replica_closed() {
+    let cluster = redis_server::RedisCluster::start(3);
+    held_at_the_gate_another_replica_closed(cluster.url()).await;
+}
+
+async fn held_at_the_gate_another_replica_closed(redis_url: String) {
     // The second request of tenant A (the first goes through replica B) is refused for 3 s.
     let seen_a = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let limited = Arc::new(AtomicBool::new(false));
@@ -73,7 +85,7 @@ async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_cl
     });
     let mock = MockServer::start(script).await.unwrap();
     let mut config = config_for(&mock);
-    config.redis_url = Some(Secret::new(redis.url()));
+    config.redis_url = Some(Secret::new(redis_url));
     config.redis_prefix = format!("proxy-replicas-{}", std::process::id());
     let (a, proxy_a) = replica(config.clone()).await;
     let (b, _) = replica(config).await;
