@@ -86,6 +86,13 @@ pub struct Config {
     /// The start of every key and channel name in Redis, so that several deployments can share
     /// one Redis apart. Defaults to `llm-retry-proxy`.
     pub redis_prefix: String,
+    /// With `redis_url`: whether a tenant's requests are refused while its shared state is out
+    /// of reach (Redis down, or the cluster node of the tenant's slot), rather than sent with
+    /// each replica's own state. Refused, a request is answered `503` with `x-should-retry:
+    /// true` and nothing reaches the upstream: for keys whose paid limit must never be
+    /// exceeded, at the price of availability while Redis is out. Defaults to false (each
+    /// replica goes on alone).
+    pub redis_fail_closed: bool,
     /// The upstream APIs. Defaults to one Anthropic and one OpenAI upstream.
     pub upstream: Vec<Upstream>,
 }
@@ -109,6 +116,7 @@ impl Default for Config {
             client_token_env: None,
             redis_url: None,
             redis_prefix: "llm-retry-proxy".to_owned(),
+            redis_fail_closed: false,
             upstream: vec![
                 Upstream::new("anthropic", Kind::Anthropic, "https://api.anthropic.com"),
                 Upstream::new("openai", Kind::OpenAi, "https://api.openai.com"),
@@ -976,6 +984,10 @@ impl Config {
                 "CLIENT_TOKEN" => self.client_token = Some(Secret::new(value.clone())),
                 "REDIS_URL" => self.redis_url = Some(Secret::new(value.clone())),
                 "REDIS_PREFIX" => self.redis_prefix = value.clone(),
+                "REDIS_FAIL_CLOSED" => {
+                    self.redis_fail_closed =
+                        value.parse().map_err(|_| bad("expected true or false"))?
+                }
                 // The log filter, read by the binary.
                 "LOG" => {}
                 _ => {
@@ -1233,7 +1245,11 @@ impl Config {
         // Every tenant's fleet is built from this one store: its scripts share one connection,
         // and its closings arrive on one pub/sub connection, whatever the number of tenants
         // (a client may make tenants at will with made-up keys).
-        Ok(Some(store.prefix(self.redis_prefix.clone())))
+        Ok(Some(
+            store
+                .prefix(self.redis_prefix.clone())
+                .fail_closed(self.redis_fail_closed),
+        ))
     }
 
     /// The resolved configuration as TOML, with every secret shown as `"***"`.
@@ -1381,6 +1397,20 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("redis_prefix"), "{e}");
         assert_eq!(Config::default().redis_store().unwrap().map(|_| ()), None);
+    }
+
+    #[test]
+    fn failing_closed_is_read_from_the_file_and_the_environment() {
+        let mut c = Config::from_toml("redis_fail_closed = true\n").unwrap();
+        assert!(c.redis_fail_closed);
+        assert!(!Config::default().redis_fail_closed);
+        c.apply_env([("LLM_RETRY_PROXY_REDIS_FAIL_CLOSED".into(), "false".into())])
+            .unwrap();
+        assert!(!c.redis_fail_closed);
+        assert!(c
+            .apply_env([("LLM_RETRY_PROXY_REDIS_FAIL_CLOSED".into(), "yes".into())])
+            .is_err());
+        assert!(c.masked().contains("redis_fail_closed = false"));
     }
 
     #[test]

@@ -210,3 +210,28 @@ async fn a_closing_on_one_replica_holds_the_tenant_on_another_100_ms_later() {
         "a request went out {b_after:?} after the 429"
     );
 }
+
+/// With `redis_fail_closed`, a tenant whose Redis is out of reach is refused: `503` with
+/// `x-should-retry: true`, nothing sent upstream. Failing open (the default), the same
+/// request goes through on the replica's own state. (Redis here is a port nobody listens on.)
+#[tokio::test]
+async fn failing_closed_refuses_a_tenant_whose_redis_is_out_of_reach_and_sends_nothing() {
+    let mock = MockServer::start(Script::new()).await.unwrap();
+    let client = client();
+    for closed in [true, false] {
+        let mut config = config_for(&mock);
+        config.redis_url = Some(Secret::new("redis://127.0.0.1:1/".to_owned()));
+        config.redis_fail_closed = closed;
+        let (addr, _proxy) = replica(config).await;
+        let before = mock.request_count();
+        let res = client.request(from(addr, "sk-A")).await.unwrap();
+        if closed {
+            assert_eq!(res.status(), 503);
+            assert_eq!(res.headers()["x-should-retry"], "true");
+            assert_eq!(mock.request_count(), before, "nothing reached the upstream");
+        } else {
+            assert_eq!(res.status(), 200);
+            assert_eq!(mock.request_count(), before + 1);
+        }
+    }
+}

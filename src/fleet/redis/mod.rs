@@ -22,6 +22,10 @@
 //! The attempts beyond are asked for again, together, when the schedule has half a horizon
 //! left. A script Redis does not answer within its deadline sends its attempts, and those
 //! queued behind them, to the local line.
+//!
+//! The connection is one node's, or a Redis Cluster's (`conn`): the scripts are the same,
+//! each naming only keys of its scope's hash tag, so a cluster client runs each on the node
+//! of that one slot.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -59,8 +63,8 @@ use crate::error::ConfigError;
 /// state stays the fallback. See [Across processes](crate::fleet#across-processes).
 ///
 /// Defaults: prefix `llm-retry`, a 50 ms deadline on every Redis call, the gate polled every
-/// second, counts flushed every 100 ms, local state after 3 failed calls in a row, pub/sub on
-/// (when built from a URL or a client).
+/// second, counts flushed every 100 ms, local state after 3 failed calls in a row (fail open),
+/// pub/sub on (when built from a URL, a client or a cluster's nodes).
 #[derive(Clone)]
 pub struct RedisFleet {
     source: Source,
@@ -501,6 +505,26 @@ mod tests {
         assert_ne!(upstream.scope_id(), id);
         // The separator keeps ("ab", "c") and ("a", "bc") apart.
         assert_ne!(scope_hash("ab", b"c"), scope_hash("a", b"bc"));
+    }
+
+    #[cfg(feature = "fleet-redis-cluster")]
+    #[test]
+    fn a_cluster_is_named_by_its_seed_nodes_and_never_quoted() {
+        let store = RedisFleet::from_url("redis+cluster://:hunter2@10.0.0.1:7000,10.0.0.2:7000")
+            .unwrap()
+            .scope("api.anthropic.com", b"sk-ant-api03-secret");
+        assert!(matches!(&store.source, Source::Cluster(seeds, ..) if seeds.len() == 2));
+        assert!(store.subscribe);
+        assert!(!format!("{store:?}").contains("hunter2"));
+        let nodes = [
+            "redis://:hunter2@10.0.0.1:7000/",
+            "redis://:hunter2@10.0.0.2:7000/",
+        ];
+        assert!(RedisFleet::from_cluster_nodes(nodes).is_ok());
+        let e = RedisFleet::from_cluster_nodes(["redis://:hunter2@h:1/", "nonsense://:hunter2@h"])
+            .unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        assert!(RedisFleet::from_cluster_nodes(Vec::<String>::new()).is_err());
     }
 
     #[test]
