@@ -27,7 +27,8 @@
 //! of three primaries the bench starts on 127.0.0.1, against one key (so on one node): with
 //! the nodes all up, and with the key's node killed from 5 s to 12 s (goodput during the
 //! outage, and the time from its return until every fleet is in touch again); and the added
-//! latency on the cluster (`FLEET_REDIS_ROWS=cluster` runs these alone, about 2 minutes).
+//! latency on the cluster; the same storm and latency on the one node beside them
+//! (`FLEET_REDIS_ROWS=cluster` runs this section alone, about 2 minutes).
 //! `FLEET_REDIS_ROWS=<text>` runs only the rows whose name holds `<text>`;
 //! `FLEET_REDIS_TRACE=1` prints each second of a storm row (attempts, successes, paces).
 
@@ -420,7 +421,7 @@ async fn main() {
     }
 
     #[cfg(feature = "fleet-redis-cluster")]
-    cluster::rows(only.as_deref()).await;
+    cluster::rows(only.as_deref(), &redis).await;
 
     println!();
     println!(
@@ -499,26 +500,39 @@ mod cluster {
             .unwrap()
     }
 
-    pub(super) async fn rows(only: Option<&str>) {
-        let wanted = |row: &str| only.is_none_or(|o| row.contains(o));
+    /// `node`: the one-node Redis, for the same rows on it, side by side.
+    pub(super) async fn rows(only: Option<&str>, node: &redis_server::RedisServer) {
+        // `cluster` names the whole section.
+        let wanted = |row: &str| only.is_none_or(|o| o == "cluster" || row.contains(o));
+        // (mode name, mode, the key's node killed, on the cluster)
         let rows = [
-            ("gate + budget + pacing", Mode::Pacing, false),
-            ("gate + budget", Mode::GateBudget, false),
+            ("gate + budget + pacing", Mode::Pacing, false, false),
+            ("gate + budget + pacing", Mode::Pacing, false, true),
+            ("gate + budget", Mode::GateBudget, false, true),
             (
                 "gate + budget + pacing, key's node killed 5–12 s",
                 Mode::Pacing,
                 true,
+                true,
             ),
         ];
         let latency = [
-            ("cluster, gate + budget", Mode::GateBudget),
-            ("cluster, pacing", Mode::Pacing),
+            ("one Redis, pacing", Mode::Pacing, false),
+            ("cluster, gate + budget", Mode::GateBudget, true),
+            ("cluster, pacing", Mode::Pacing, true),
         ];
         let names: Vec<String> = rows
             .iter()
-            .map(|(name, _, _)| format!("token bucket | {name} | {FLEETS} fleets, 3-node cluster"))
+            .map(|(name, _, _, on_cluster)| {
+                let store = if *on_cluster {
+                    "3-node cluster"
+                } else {
+                    "one Redis"
+                };
+                format!("token bucket | {name} | {FLEETS} fleets, {store}")
+            })
             .collect();
-        if !names.iter().any(|r| wanted(r)) && !latency.iter().any(|(l, _)| wanted(l)) {
+        if !names.iter().any(|r| wanted(r)) && !latency.iter().any(|(l, _, _)| wanted(l)) {
             return;
         }
         let mut cluster = redis_server::RedisCluster::start(3);
@@ -532,13 +546,14 @@ mod cluster {
         );
         println!("|---|---|---|---|---|---|---|---|---|");
         let mut outages = Vec::new();
-        for ((_, mode, kill), row) in rows.iter().zip(&names) {
+        for ((_, mode, kill, on_cluster), row) in rows.iter().zip(&names) {
             if !wanted(row) {
                 continue;
             }
             let prefix = format!("bench-cluster-{}", rand_suffix());
+            let at = if *on_cluster { url.clone() } else { node.url() };
             let fleets: Vec<Fleet> = (0..FLEETS)
-                .map(|_| fleet(*mode, pacing(), Some((url.as_str(), prefix.as_str()))))
+                .map(|_| fleet(*mode, pacing(), Some((at.as_str(), prefix.as_str()))))
                 .collect();
             wait_connected(&fleets).await;
             let key = RedisFleet::from_url(&url)
@@ -549,7 +564,11 @@ mod cluster {
                 .clone();
             let owner = cluster.owner(&key);
             let server = Server::new(Kind::Bucket);
-            let before = round_trips(&cluster);
+            let trips = |cluster: &redis_server::RedisCluster| match on_cluster {
+                true => round_trips(cluster),
+                false => node.round_trips(),
+            };
+            let before = trips(&cluster);
             let (o, cmds, recovery) = if *kill {
                 // The key's node killed at 5 s and started again (empty) at 12 s, on a thread
                 // that holds the cluster meanwhile; a sampler notes when every fleet is in
@@ -558,13 +577,20 @@ mod cluster {
                 let restarted: Arc<Mutex<Option<Instant>>> = Arc::default();
                 let killer = {
                     let restarted = restarted.clone();
+                    let key = key.clone();
                     std::thread::spawn(move || {
                         std::thread::sleep(Duration::from_secs(5));
                         cluster.nodes[owner].kill();
                         std::thread::sleep(Duration::from_secs(7));
                         cluster.nodes[owner].restart();
-                        *restarted.lock().unwrap() = Some(Instant::now());
-                        cluster
+                        let at = Instant::now();
+                        *restarted.lock().unwrap() = Some(at);
+                        // When the node serves its slots again (a node back from a failure
+                        // waits before it does, as Redis Cluster does).
+                        while !cluster.nodes[owner].answers(&["EXISTS", &key]) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        (cluster, at.elapsed())
                     })
                 };
                 let sampler = {
@@ -585,12 +611,13 @@ mod cluster {
                     })
                 };
                 let o = storm(server.clone(), &fleets, CLIENTS, RUN).await;
-                cluster = killer.join().unwrap();
+                let (back, serving) = killer.join().unwrap();
+                cluster = back;
                 let recovery = tokio::time::timeout(Duration::from_secs(10), sampler).await;
-                (o, None, Some(recovery))
+                (o, None, Some((recovery, serving)))
             } else {
                 let o = storm(server.clone(), &fleets, CLIENTS, RUN).await;
-                (o, Some(round_trips(&cluster).saturating_sub(before)), None)
+                (o, Some(trips(&cluster).saturating_sub(before)), None)
             };
             let (attempts, successes) = server.totals(RUN);
             println!(
@@ -605,7 +632,7 @@ mod cluster {
                     c as f64 / o.first_attempts.max(1) as f64
                 )),
             );
-            if let Some(recovery) = recovery {
+            if let Some((recovery, serving)) = recovery {
                 let ok = |from: usize, to: usize| -> f64 {
                     server.ok_per_second[from..to]
                         .iter()
@@ -624,10 +651,11 @@ mod cluster {
                     })
                     .collect();
                 outages.push(format!(
-                    "goodput before the kill (0–5 s) {:.2} C, during the outage (5–12 s) {:.2} C, after (12–20 s) {:.2} C; every fleet in touch again {} after the node's return; successes/attempts per second: {}",
+                    "goodput before the kill (0–5 s) {:.2} C, during the outage (5–12 s) {:.2} C, after (12–20 s) {:.2} C; the node serving its slots again {:.0} ms after its restart, every fleet in touch again {} after it; successes/attempts per second: {}",
                     ok(0, 5),
                     ok(5, 12),
                     ok(12, RUN.as_secs() as usize),
+                    serving.as_secs_f64() * 1e3,
                     match recovery {
                         Ok(Ok(d)) => format!("{:.0} ms", d.as_secs_f64() * 1e3),
                         _ => "not within 10 s".to_owned(),
@@ -647,15 +675,20 @@ mod cluster {
         );
         println!("| fleet | requests/s | p50 | p99 | Redis round trips/request |");
         println!("|---|---|---|---|---|");
-        for (label, mode) in latency {
+        for (label, mode, on_cluster) in latency {
             if !wanted(label) {
                 continue;
             }
             let pacing = pacing().rates(1.0e6, 1.0, 1.0e6).unwrap();
             let prefix = format!("bench-cluster-latency-{}", rand_suffix());
-            let f = fleet(mode, pacing, Some((url.as_str(), prefix.as_str())));
+            let at = if on_cluster { url.clone() } else { node.url() };
+            let f = fleet(mode, pacing, Some((at.as_str(), prefix.as_str())));
             wait_connected(std::slice::from_ref(&f)).await;
-            let before = round_trips(&cluster);
+            let trips = |cluster: &redis_server::RedisCluster| match on_cluster {
+                true => round_trips(cluster),
+                false => node.round_trips(),
+            };
+            let before = trips(&cluster);
             let o = storm(
                 Server::new(Kind::Open),
                 std::slice::from_ref(&f),
@@ -663,7 +696,7 @@ mod cluster {
                 Duration::from_secs(2),
             )
             .await;
-            let cmds = round_trips(&cluster).saturating_sub(before);
+            let cmds = trips(&cluster).saturating_sub(before);
             println!(
                 "| {label} | {:.0} | {:.0} µs | {:.0} µs | {:.3} |",
                 o.successes as f64 / 2.0,

@@ -194,7 +194,10 @@
 //! the call deadline), the others go on in touch, and when the slots answer again (the node
 //! back, or a replica promoted) the scopes come back and merge their gate as on one node.
 //! Without replicas, the nodes must be set with `cluster-require-full-coverage no` for the
-//! others to keep serving while one is lost. Closings are published with `PUBLISH`, which
+//! others to keep serving while one is lost. While a scope's slot is half moved, a script
+//! whose keys are split between the two nodes is answered `TRYAGAIN`, which the client
+//! retries within the call deadline; a move that keeps them split for longer (keys moved one
+//! at a time, slowly) may cost the scope its coordination until it is over, never a request. Closings are published with `PUBLISH`, which
 //! the cluster carries to every node, and received on the store's one subscription, made on
 //! a seed node (the next one when it is lost).
 //!

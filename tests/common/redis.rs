@@ -230,6 +230,22 @@ impl RedisServer {
             .sum()
     }
 
+    /// Whether it answers `args` without an error (a cluster node rejoining its cluster
+    /// answers `CLUSTERDOWN` for a while).
+    pub fn answers(&self, args: &[&str]) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_millis(100)) else {
+            return false;
+        };
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query::<redis::Value>(&mut conn).is_ok()
+    }
+
     /// Runs one command on a connection of its own.
     pub fn command(&self, args: &[&str]) -> redis::Value {
         let client = redis::Client::open(self.url()).unwrap();
