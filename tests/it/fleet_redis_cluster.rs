@@ -421,12 +421,28 @@ async fn the_whole_cluster_down_fails_open_by_default_and_closed_when_asked() {
         stack(f, policy()).oneshot(anthropic_request(&server.url("/v1/messages"), BODY))
     };
     assert_eq!(send(&closed).await.unwrap().status(), StatusCode::OK);
+    // A request whose first attempt went out in touch, answered 503: its retry, 2 s later,
+    // comes when the cluster is down.
+    let failing = MockServer::start(Script::new().then(Reply::status(503)))
+        .await
+        .unwrap();
+    let retried = tokio::spawn(
+        stack(&closed, policy().initial_backoff(Duration::from_secs(2)))
+            .oneshot(anthropic_request(&failing.url("/v1/messages"), BODY)),
+    );
+    let first = within(Duration::from_secs(1), || failing.request_count() == 1);
+    assert!(first.await.is_some());
 
     for node in &mut cluster.nodes {
         node.kill();
     }
     let down = within(Duration::from_secs(5), || local(&open) && local(&closed)).await;
     assert!(down.is_some(), "{:?}", closed.redis_state());
+    // The retry is not admitted either: the error, with the trail of the one attempt made.
+    let err = retried.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FleetUnreachable);
+    assert_eq!(err.trail().unwrap().total_attempts(), 1);
+    assert_eq!(failing.request_count(), 1, "the retry was not sent");
     let before = server.request_count();
     assert_eq!(send(&open).await.unwrap().status(), StatusCode::OK);
     assert_eq!(server.request_count(), before + 1);
