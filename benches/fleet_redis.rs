@@ -23,6 +23,12 @@
 //! request latency p50 / p99 of the successes (a request still under way at the row's end is
 //! dropped),
 //! Redis round trips per first attempt (scripts run, counted by Redis).
+//! With `--features fleet-redis-cluster`, the same storm through 8 fleets on a Redis Cluster
+//! of three primaries the bench starts on 127.0.0.1, against one key (so on one node): with
+//! the nodes all up, and with the key's node killed from 5 s to 12 s (goodput during the
+//! outage, and the time from its return until every fleet is in touch again); and the added
+//! latency on the cluster; the same storm and latency on the one node beside them
+//! (`FLEET_REDIS_ROWS=cluster` runs this section alone, about 2 minutes).
 //! `FLEET_REDIS_ROWS=<text>` runs only the rows whose name holds `<text>`;
 //! `FLEET_REDIS_TRACE=1` prints each second of a storm row (attempts, successes, paces).
 
@@ -414,6 +420,9 @@ async fn main() {
         }
     }
 
+    #[cfg(feature = "fleet-redis-cluster")]
+    cluster::rows(only.as_deref(), &redis).await;
+
     println!();
     println!(
         "added latency: {LATENCY_CLIENTS} clients back to back against an instant server, 2 s each"
@@ -463,5 +472,238 @@ async fn main() {
                 "—".to_owned()
             },
         );
+    }
+}
+
+/// The rows on a Redis Cluster of three primaries.
+#[cfg(feature = "fleet-redis-cluster")]
+mod cluster {
+    use super::*;
+
+    /// The fleets of the cluster rows.
+    const FLEETS: usize = 8;
+
+    /// Scripts run, summed over the running nodes.
+    fn round_trips(cluster: &redis_server::RedisCluster) -> u64 {
+        cluster
+            .nodes
+            .iter()
+            .filter(|n| n.is_running())
+            .map(|n| n.round_trips())
+            .sum()
+    }
+
+    fn pacing() -> PacingConfig {
+        PacingConfig::new()
+            .dormant(false)
+            .burst(Duration::ZERO)
+            .unwrap()
+    }
+
+    /// `node`: the one-node Redis, for the same rows on it, side by side.
+    pub(super) async fn rows(only: Option<&str>, node: &redis_server::RedisServer) {
+        // `cluster` names the whole section.
+        let wanted = |row: &str| only.is_none_or(|o| o == "cluster" || row.contains(o));
+        // (mode name, mode, the key's node killed, on the cluster)
+        let rows = [
+            ("gate + budget + pacing", Mode::Pacing, false, false),
+            ("gate + budget + pacing", Mode::Pacing, false, true),
+            ("gate + budget", Mode::GateBudget, false, true),
+            (
+                "gate + budget + pacing, key's node killed 5–12 s",
+                Mode::Pacing,
+                true,
+                true,
+            ),
+        ];
+        let latency = [
+            ("one Redis, pacing", Mode::Pacing, false),
+            ("cluster, gate + budget", Mode::GateBudget, true),
+            ("cluster, pacing", Mode::Pacing, true),
+        ];
+        let names: Vec<String> = rows
+            .iter()
+            .map(|(name, _, _, on_cluster)| {
+                let store = if *on_cluster {
+                    "3-node cluster"
+                } else {
+                    "one Redis"
+                };
+                format!("token bucket | {name} | {FLEETS} fleets, {store}")
+            })
+            .collect();
+        if !names.iter().any(|r| wanted(r)) && !latency.iter().any(|(l, _, _)| wanted(l)) {
+            return;
+        }
+        let mut cluster = redis_server::RedisCluster::start(3);
+        let url = cluster.url();
+        println!();
+        println!(
+            "storm on a Redis Cluster of 3 primaries: {CLIENTS} clients, {FLEETS} fleets, one key, {RUN:?} a row, C = {CAPACITY}"
+        );
+        println!(
+            "| server | mode | fleets | goodput | attempts/success | peak/s | p50 | p99 | Redis round trips/first attempt |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|");
+        let mut outages = Vec::new();
+        for ((_, mode, kill, on_cluster), row) in rows.iter().zip(&names) {
+            if !wanted(row) {
+                continue;
+            }
+            let prefix = format!("bench-cluster-{}", rand_suffix());
+            let at = if *on_cluster { url.clone() } else { node.url() };
+            let fleets: Vec<Fleet> = (0..FLEETS)
+                .map(|_| fleet(*mode, pacing(), Some((at.as_str(), prefix.as_str()))))
+                .collect();
+            wait_connected(&fleets).await;
+            let key = RedisFleet::from_url(&url)
+                .unwrap()
+                .scope("bench", b"key")
+                .prefix(prefix.as_str())
+                .key_names()[0]
+                .clone();
+            let owner = cluster.owner(&key);
+            let server = Server::new(Kind::Bucket);
+            let trips = |cluster: &redis_server::RedisCluster| match on_cluster {
+                true => round_trips(cluster),
+                false => node.round_trips(),
+            };
+            let before = trips(&cluster);
+            let (o, cmds, recovery) = if *kill {
+                // The key's node killed at 5 s and started again (empty) at 12 s, on a thread
+                // that holds the cluster meanwhile; a sampler notes when every fleet is in
+                // touch again. (The killed node's count of scripts dies with it: no round
+                // trips for this row.)
+                let restarted: Arc<Mutex<Option<Instant>>> = Arc::default();
+                let killer = {
+                    let restarted = restarted.clone();
+                    let key = key.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_secs(5));
+                        cluster.nodes[owner].kill();
+                        std::thread::sleep(Duration::from_secs(7));
+                        cluster.nodes[owner].restart();
+                        let at = Instant::now();
+                        *restarted.lock().unwrap() = Some(at);
+                        // When the node serves its slots again (a node back from a failure
+                        // waits before it does, as Redis Cluster does).
+                        while !cluster.nodes[owner].answers(&["EXISTS", &key]) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        (cluster, at.elapsed())
+                    })
+                };
+                let sampler = {
+                    let fleets = fleets.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                            let Some(at) = *restarted.lock().unwrap() else {
+                                continue;
+                            };
+                            let back = fleets.iter().all(|f| {
+                                matches!(f.redis_state(), Some(RedisState::Connected { .. }))
+                            });
+                            if back {
+                                return at.elapsed();
+                            }
+                        }
+                    })
+                };
+                let o = storm(server.clone(), &fleets, CLIENTS, RUN).await;
+                let (back, serving) = killer.join().unwrap();
+                cluster = back;
+                let recovery = tokio::time::timeout(Duration::from_secs(10), sampler).await;
+                (o, None, Some((recovery, serving)))
+            } else {
+                let o = storm(server.clone(), &fleets, CLIENTS, RUN).await;
+                (o, Some(trips(&cluster).saturating_sub(before)), None)
+            };
+            let (attempts, successes) = server.totals(RUN);
+            println!(
+                "| {row} | {:.2} C | {:.2} | {:.2} C | {:.0} ms | {:.0} ms | {} |",
+                successes as f64 / RUN.as_secs_f64() / CAPACITY,
+                attempts as f64 / successes.max(1) as f64,
+                server.peak(RUN) as f64 / CAPACITY,
+                pct(&o.latencies, 0.5).as_secs_f64() * 1e3,
+                pct(&o.latencies, 0.99).as_secs_f64() * 1e3,
+                cmds.map_or("—".to_owned(), |c| format!(
+                    "{:.2}",
+                    c as f64 / o.first_attempts.max(1) as f64
+                )),
+            );
+            if let Some((recovery, serving)) = recovery {
+                let ok = |from: usize, to: usize| -> f64 {
+                    server.ok_per_second[from..to]
+                        .iter()
+                        .map(|c| c.load(Ordering::Relaxed))
+                        .sum::<u64>() as f64
+                        / (to - from) as f64
+                        / CAPACITY
+                };
+                let per_second: Vec<String> = (0..RUN.as_secs() as usize)
+                    .map(|s| {
+                        format!(
+                            "{}/{}",
+                            server.ok_per_second[s].load(Ordering::Relaxed),
+                            server.per_second[s].load(Ordering::Relaxed)
+                        )
+                    })
+                    .collect();
+                outages.push(format!(
+                    "goodput before the kill (0–5 s) {:.2} C, during the outage (5–12 s) {:.2} C, after (12–20 s) {:.2} C; the node serving its slots again {:.0} ms after its restart, every fleet in touch again {} after it; successes/attempts per second: {}",
+                    ok(0, 5),
+                    ok(5, 12),
+                    ok(12, RUN.as_secs() as usize),
+                    serving.as_secs_f64() * 1e3,
+                    match recovery {
+                        Ok(Ok(d)) => format!("{:.0} ms", d.as_secs_f64() * 1e3),
+                        _ => "not within 10 s".to_owned(),
+                    },
+                    per_second.join(" "),
+                ));
+            }
+        }
+        for o in outages {
+            println!();
+            println!("{o}");
+        }
+
+        println!();
+        println!(
+            "added latency on the cluster: {LATENCY_CLIENTS} clients back to back against an instant server, 2 s each"
+        );
+        println!("| fleet | requests/s | p50 | p99 | Redis round trips/request |");
+        println!("|---|---|---|---|---|");
+        for (label, mode, on_cluster) in latency {
+            if !wanted(label) {
+                continue;
+            }
+            let pacing = pacing().rates(1.0e6, 1.0, 1.0e6).unwrap();
+            let prefix = format!("bench-cluster-latency-{}", rand_suffix());
+            let at = if on_cluster { url.clone() } else { node.url() };
+            let f = fleet(mode, pacing, Some((at.as_str(), prefix.as_str())));
+            wait_connected(std::slice::from_ref(&f)).await;
+            let trips = |cluster: &redis_server::RedisCluster| match on_cluster {
+                true => round_trips(cluster),
+                false => node.round_trips(),
+            };
+            let before = trips(&cluster);
+            let o = storm(
+                Server::new(Kind::Open),
+                std::slice::from_ref(&f),
+                LATENCY_CLIENTS,
+                Duration::from_secs(2),
+            )
+            .await;
+            let cmds = trips(&cluster).saturating_sub(before);
+            println!(
+                "| {label} | {:.0} | {:.0} µs | {:.0} µs | {:.3} |",
+                o.successes as f64 / 2.0,
+                pct(&o.latencies, 0.5).as_secs_f64() * 1e6,
+                pct(&o.latencies, 0.99).as_secs_f64() * 1e6,
+                cmds as f64 / o.first_attempts.max(1) as f64,
+            );
+        }
     }
 }

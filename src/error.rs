@@ -90,6 +90,13 @@ pub enum ErrorKind {
     /// says what to change, over the client's own error; [`Error::trail`] holds the one
     /// attempt (class [`Unsendable`](crate::classify::FailureClass::Unsendable)).
     Unsendable,
+    /// The fleet keeps its state in Redis, is set to [fail
+    /// closed](crate::fleet::RedisFleet::fail_closed), and is out of touch with Redis: the
+    /// attempt was not admitted, and nothing more was sent. [`Error::trail`] lists the
+    /// attempts made before, if any.
+    #[cfg(feature = "fleet-redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fleet-redis")))]
+    FleetUnreachable,
 }
 
 impl ErrorKind {
@@ -112,6 +119,8 @@ impl ErrorKind {
             ErrorKind::IncompleteStream => "incomplete_stream",
             ErrorKind::PacingWaitTooLong => "pacing_wait_too_long",
             ErrorKind::Unsendable => "unsendable",
+            #[cfg(feature = "fleet-redis")]
+            ErrorKind::FleetUnreachable => "fleet_unreachable",
         }
     }
 
@@ -135,6 +144,10 @@ impl ErrorKind {
                 "the turn in the pacing line is further off than the request may wait"
             }
             ErrorKind::Unsendable => "the request cannot be sent as configured",
+            #[cfg(feature = "fleet-redis")]
+            ErrorKind::FleetUnreachable => {
+                "the fleet's shared state is unreachable and the fleet fails closed"
+            }
         }
     }
 }

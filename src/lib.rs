@@ -190,6 +190,7 @@
 //! | `mock` | no | [`mock`]: a scripted, fault-injecting LLM server on 127.0.0.1 for tests, HTTP/1.1 and HTTP/2, plain or TLS (pulls in hyper's server side, `h2`, `rustls`, `rcgen`) |
 //! | `reqwest` | no | [`reqwest::ReqwestService`]: the stack on top of a `reqwest::Client` |
 //! | `fleet-redis` | no | [`fleet::RedisFleet`]: the fleet's gate, budget and pacing shared across processes through Redis (pulls in `redis`) |
+//! | `fleet-redis-cluster` | no | the same on a Redis Cluster or Valkey in cluster mode, `RedisFleet::from_cluster_nodes` and `redis+cluster://` URLs (implies `fleet-redis`; pulls in `redis`'s cluster client: `crc16`, `log`, and `rand` 0.9) |
 //! | `reqwest-middleware` | no | [`reqwest_middleware::RetryMiddleware`]: a `reqwest_middleware::Middleware` (implies `reqwest`) |
 //! | `async-openai` | no | [`async_openai::HttpService`]: the stack as async-openai's HTTP service, for `Client::with_http_service` (implies `reqwest`; pulls in `async-openai` without a TLS feature) |
 //!

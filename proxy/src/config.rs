@@ -74,14 +74,25 @@ pub struct Config {
     /// The name of an environment variable holding the client token. Defaults to none.
     pub client_token_env: Option<String>,
     /// A Redis (or Valkey) URL, `redis://host:port/db`, `rediss://…` or
-    /// `redis+unix:///path`: every replica given the same URL shares the budget, the cooldown
-    /// gate and the pacing of each (upstream, credential) with the others. Only hashes of the
+    /// `redis+unix:///path`, or a Redis Cluster's seed nodes,
+    /// `redis+cluster://[user:password@]host1:port1,host2:port2` (`rediss+cluster://…` for
+    /// TLS; the credentials apply to every node): every replica given the same URL shares the
+    /// budget, the cooldown gate and the pacing of each (upstream, credential) with the
+    /// others. On a cluster each (upstream, credential) lives on the node of its hash slot, and
+    /// a lost node costs only the coordination of those on its slots. Only hashes of the
     /// upstream and the credential reach Redis. The URL may carry a password: it is shown as
     /// `"***"` and never logged. Defaults to none (each replica on its own).
     pub redis_url: Option<Secret>,
     /// The start of every key and channel name in Redis, so that several deployments can share
     /// one Redis apart. Defaults to `llm-retry-proxy`.
     pub redis_prefix: String,
+    /// With `redis_url`: whether a tenant's requests are refused while its shared state is out
+    /// of reach (Redis down, or the cluster node of the tenant's slot), rather than sent with
+    /// each replica's own state. Refused, a request is answered `503` with `x-should-retry:
+    /// true` and nothing reaches the upstream: for keys whose paid limit must never be
+    /// exceeded, at the price of availability while Redis is out. Defaults to false (each
+    /// replica goes on alone).
+    pub redis_fail_closed: bool,
     /// The upstream APIs. Defaults to one Anthropic and one OpenAI upstream.
     pub upstream: Vec<Upstream>,
 }
@@ -105,6 +116,7 @@ impl Default for Config {
             client_token_env: None,
             redis_url: None,
             redis_prefix: "llm-retry-proxy".to_owned(),
+            redis_fail_closed: false,
             upstream: vec![
                 Upstream::new("anthropic", Kind::Anthropic, "https://api.anthropic.com"),
                 Upstream::new("openai", Kind::OpenAi, "https://api.openai.com"),
@@ -993,6 +1005,10 @@ impl Config {
                 "CLIENT_TOKEN" => self.client_token = Some(Secret::new(value.clone())),
                 "REDIS_URL" => self.redis_url = Some(Secret::new(value.clone())),
                 "REDIS_PREFIX" => self.redis_prefix = value.clone(),
+                "REDIS_FAIL_CLOSED" => {
+                    self.redis_fail_closed =
+                        value.parse().map_err(|_| bad("expected true or false"))?
+                }
                 // The log filter, read by the binary.
                 "LOG" => {}
                 _ => {
@@ -1246,11 +1262,15 @@ impl Config {
         }
         // The library's error never quotes the URL (it may carry a password).
         let store = RedisFleet::from_url(url.expose())
-            .map_err(|_| ConfigError::new("redis_url is not a valid Redis URL"))?;
+            .map_err(|e| ConfigError::new(format!("redis_url is not a valid Redis URL ({e})")))?;
         // Every tenant's fleet is built from this one store: its scripts share one connection,
         // and its closings arrive on one pub/sub connection, whatever the number of tenants
         // (a client may make tenants at will with made-up keys).
-        Ok(Some(store.prefix(self.redis_prefix.clone())))
+        Ok(Some(
+            store
+                .prefix(self.redis_prefix.clone())
+                .fail_closed(self.redis_fail_closed),
+        ))
     }
 
     /// The resolved configuration as TOML, with every secret shown as `"***"`.
@@ -1398,6 +1418,54 @@ mod tests {
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("redis_prefix"), "{e}");
         assert_eq!(Config::default().redis_store().unwrap().map(|_| ()), None);
+    }
+
+    #[test]
+    fn failing_closed_is_read_from_the_file_and_the_environment() {
+        let mut c = Config::from_toml("redis_fail_closed = true\n").unwrap();
+        assert!(c.redis_fail_closed);
+        assert!(!Config::default().redis_fail_closed);
+        c.apply_env([("LLM_RETRY_PROXY_REDIS_FAIL_CLOSED".into(), "false".into())])
+            .unwrap();
+        assert!(!c.redis_fail_closed);
+        assert!(c
+            .apply_env([("LLM_RETRY_PROXY_REDIS_FAIL_CLOSED".into(), "yes".into())])
+            .is_err());
+        assert!(c.masked().contains("redis_fail_closed = false"));
+    }
+
+    #[test]
+    fn a_redis_cluster_url_is_checked_masked_and_overridable() {
+        let mut c = Config::from_toml(
+            "redis_url = \"redis+cluster://:pa55-SECRET@10.0.0.5:7000,10.0.0.6:7001\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.redis_store().unwrap().is_some());
+        let shown = c.masked();
+        assert!(shown.contains("redis_url = \"***\""), "{shown}");
+        assert!(!shown.contains("SECRET") && !format!("{c:?}").contains("SECRET"));
+        // A cluster has one database: a path naming another is refused, without the URL.
+        c.apply_env([(
+            "LLM_RETRY_PROXY_REDIS_URL".into(),
+            "redis+cluster://:pa55-SECRET@10.0.0.5:7000,10.0.0.6:7001/3".into(),
+        )])
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("redis_url") && e.contains("database 0"), "{e}");
+        assert!(!e.contains("SECRET"), "{e}");
+        c.apply_env([(
+            "LLM_RETRY_PROXY_REDIS_URL".into(),
+            "redis+cluster://10.0.0.5:7000".into(),
+        )])
+        .unwrap();
+        c.validate().unwrap();
+        let e = Config::from_toml("redis_url = \"redis+cluster://:pw-SECRET@/\"\n")
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("redis_url") && !e.contains("SECRET"), "{e}");
     }
 
     #[test]

@@ -939,6 +939,8 @@ impl State {
                         (Reject::Deadline, true)
                     }
                     Some(ErrorKind::TokenRefresh) => (Reject::Credential, false),
+                    // `redis_fail_closed`: nothing was sent; the client may come back.
+                    Some(ErrorKind::FleetUnreachable) => (Reject::Busy, false),
                     Some(ErrorKind::Exhausted) => (Reject::Upstream, true),
                     Some(ErrorKind::Unsendable) => (Reject::Unsendable, false),
                     _ => (Reject::Upstream, false),

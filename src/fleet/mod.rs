@@ -188,7 +188,25 @@
 //!   turn of the local line instead; out of touch, the local line keeps to this process's
 //!   share of the fleet's rate. (The quota reading of a long `Retry-After` stays local.)
 //!
-//! [`Fleet::redis_state`] says whether the fleet is in touch.
+//! [`Fleet::redis_state`] says whether the fleet is in touch. A fleet that must never
+//! exceed a paid limit can fail closed instead (`RedisFleet::fail_closed`): while out of
+//! touch, it admits no attempt (each ends with `ErrorKind::FleetUnreachable`).
+//!
+//! **On a Redis Cluster** (or Valkey in cluster mode; feature `fleet-redis-cluster`,
+//! `RedisFleet::from_cluster_nodes`, or a `redis+cluster://host1:port1,host2:port2` URL),
+//! the same scripts run through a cluster client: every key of a scope shares the scope's
+//! hash tag, so each script goes to the one node that owns the scope's slot, and follows it
+//! when it moves (`MOVED`, `ASK`). A node that is lost takes only the coordination of the
+//! scopes on its slots: those fall back to local state after their failed calls (each within
+//! the call deadline), the others go on in touch, and when the slots answer again (the node
+//! back, or a replica promoted) the scopes come back and merge their gate as on one node.
+//! Without replicas, the nodes must be set with `cluster-require-full-coverage no` for the
+//! others to keep serving while one is lost. While a scope's slot is half moved, a script
+//! whose keys are split between the two nodes is answered `TRYAGAIN`, which the client
+//! retries within the call deadline; a move that keeps them split for longer (keys moved one
+//! at a time, slowly) may cost the scope its coordination until it is over, never a request. Closings are published with `PUBLISH`, which
+//! the cluster carries to every node, and received on the store's one subscription, made on
+//! a seed node (the next one when it is lost).
 //!
 //! Keys (one hash tag per scope, so the scripts stay legal on Redis Cluster):
 //! `{prefix}:{{scope}}:gate` (a hash: deadline and announced wait, on Redis's clock),
@@ -738,6 +756,13 @@ impl Fleet {
 
     fn gate(&self) -> Option<&Gate> {
         self.inner.gate.as_deref()
+    }
+
+    /// Whether an attempt may start: false only for a fleet that fails closed while its
+    /// shared state is out of reach.
+    #[cfg(feature = "fleet-redis")]
+    pub(crate) fn admits(&self) -> bool {
+        self.inner.store.admits()
     }
 
     /// The wait for the first read of the gate shared across processes, while it is to come.

@@ -224,6 +224,16 @@ impl Store {
         }
     }
 
+    /// Whether an attempt may start (see [`RedisFleet::fail_closed`](super::RedisFleet::fail_closed)).
+    #[cfg(feature = "fleet-redis")]
+    #[inline]
+    pub(crate) fn admits(&self) -> bool {
+        match self {
+            Store::Local => true,
+            Store::Redis(link) => link.admits(),
+        }
+    }
+
     /// The state of the link to Redis, when the store is one.
     #[cfg(feature = "fleet-redis")]
     pub(crate) fn redis_state(&self) -> Option<super::redis::RedisState> {

@@ -106,6 +106,9 @@ pub(super) struct Watch {
 pub(super) enum Stop {
     Cancelled,
     Deadline,
+    /// The fleet fails closed, and cannot reach its shared state.
+    #[cfg(feature = "fleet-redis")]
+    Unreachable,
 }
 
 impl Watch {
@@ -514,6 +517,10 @@ where
         match stop {
             Stop::Cancelled => self.cancelled(),
             Stop::Deadline => self.deadline_exceeded(),
+            #[cfg(feature = "fleet-redis")]
+            Stop::Unreachable => {
+                Error::new(ErrorKind::FleetUnreachable).with_trail(self.finished_trail())
+            }
         }
     }
 
@@ -658,6 +665,11 @@ where
                 wait: Box::pin(wait),
                 watch: self.watch(),
             }));
+        }
+        // After the gate, which waits for the first read of the shared state.
+        #[cfg(feature = "fleet-redis")]
+        if !self.fleet().admits() {
+            return Err(Stop::Unreachable);
         }
         if self.paced.is_some() {
             return Ok(None);

@@ -14,7 +14,8 @@ use tower_llm_retry::retry::{GiveUpReason, Jitter, Retry};
 use tower_llm_retry::{RetryLayer, RetryPolicy, RetryTrail};
 
 #[path = "../common/redis.rs"]
-mod redis_server;
+#[allow(dead_code)]
+pub(crate) mod redis_server;
 use redis_server::RedisServer;
 
 /// The tests below need a `redis-server` and are ignored by default; under CI (`CI` set),

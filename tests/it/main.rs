@@ -25,6 +25,8 @@ mod fleet;
 mod fleet_redis;
 #[cfg(feature = "google-auth")]
 mod google_auth;
+#[cfg(feature = "fleet-redis-cluster")]
+mod fleet_redis_cluster;
 mod http2;
 mod incomplete_stream;
 mod mcp;

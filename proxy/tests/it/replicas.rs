@@ -59,6 +59,18 @@ fn redis_server_is_installed_under_ci() {
 #[ignore = "needs redis-server; run as the README's Tests say"]
 async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_closed() {
     let redis = redis_server::RedisServer::start();
+    held_at_the_gate_another_replica_closed(redis.url()).await;
+}
+
+/// The same with `redis_url` naming a Redis Cluster of three primaries by its seed nodes.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn replicas_sharing_a_redis_cluster_hold_a_tenant_at_the_gate_another_replica_closed() {
+    let cluster = redis_server::RedisCluster::start(3);
+    held_at_the_gate_another_replica_closed(cluster.url()).await;
+}
+
+async fn held_at_the_gate_another_replica_closed(redis_url: String) {
     // The second request of tenant A (the first goes through replica B) is refused for 3 s.
     let seen_a = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let limited = Arc::new(AtomicBool::new(false));
@@ -73,7 +85,7 @@ async fn replicas_sharing_one_redis_hold_a_tenant_at_the_gate_another_replica_cl
     });
     let mock = MockServer::start(script).await.unwrap();
     let mut config = config_for(&mock);
-    config.redis_url = Some(Secret::new(redis.url()));
+    config.redis_url = Some(Secret::new(redis_url));
     config.redis_prefix = format!("proxy-replicas-{}", std::process::id());
     let (a, proxy_a) = replica(config.clone()).await;
     let (b, _) = replica(config).await;
@@ -197,4 +209,29 @@ async fn a_closing_on_one_replica_holds_the_tenant_on_another_100_ms_later() {
         b_after >= Duration::from_millis(2_500),
         "a request went out {b_after:?} after the 429"
     );
+}
+
+/// With `redis_fail_closed`, a tenant whose Redis is out of reach is refused: `503` with
+/// `x-should-retry: true`, nothing sent upstream. Failing open (the default), the same
+/// request goes through on the replica's own state. (Redis here is a port nobody listens on.)
+#[tokio::test]
+async fn failing_closed_refuses_a_tenant_whose_redis_is_out_of_reach_and_sends_nothing() {
+    let mock = MockServer::start(Script::new()).await.unwrap();
+    let client = client();
+    for closed in [true, false] {
+        let mut config = config_for(&mock);
+        config.redis_url = Some(Secret::new("redis://127.0.0.1:1/".to_owned()));
+        config.redis_fail_closed = closed;
+        let (addr, _proxy) = replica(config).await;
+        let before = mock.request_count();
+        let res = client.request(from(addr, "sk-A")).await.unwrap();
+        if closed {
+            assert_eq!(res.status(), 503);
+            assert_eq!(res.headers()["x-should-retry"], "true");
+            assert_eq!(mock.request_count(), before, "nothing reached the upstream");
+        } else {
+            assert_eq!(res.status(), 200);
+            assert_eq!(mock.request_count(), before + 1);
+        }
+    }
 }

@@ -2,6 +2,14 @@
 //! [`RedisFleet`] (the tenants of a per-scope fleet, the fleets built from one store) learns
 //! the closings of its gate on one connection, each message routed by its channel, which
 //! names the scope's hash. A subscription per scope would be a connection per scope.
+//!
+//! On a Redis Cluster the closings are published with `PUBLISH`, which the cluster delivers
+//! to the subscribers of every node, so the one subscription is made on any node: the first
+//! seed node that answers, the next when it is lost. Sharded pub/sub (`SSUBSCRIBE`) would
+//! keep a message on its slot's node, but needs a subscription on every node that owns a
+//! scope of the process, moved along with every slot that moves; closings are rare (one per
+//! scope and `Retry-After` at most, as the gate only ever extends), so the broadcast costs
+//! the cluster little, and one connection per process keeps what one node has.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Weak;
@@ -25,12 +33,12 @@ struct HubState {
 }
 
 impl Hub {
-    /// `shared` listens on its scope's channel; the task is started (on `handle`) unless it
-    /// runs.
+    /// `shared` listens on its scope's channel; the task is started (on `handle`, subscribing
+    /// on one of `nodes`) unless it runs.
     pub(super) fn join(
         self: &Arc<Self>,
         shared: &Arc<Shared>,
-        client: &redis::Client,
+        nodes: Arc<[redis::Client]>,
         handle: &tokio::runtime::Handle,
     ) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -44,7 +52,7 @@ impl Hub {
             self.changed.notify_one();
         } else {
             state.running = true;
-            handle.spawn(listen(self.clone(), client.clone(), shared.call_timeout));
+            handle.spawn(listen(self.clone(), nodes, shared.call_timeout));
         }
     }
 
@@ -83,25 +91,36 @@ impl Hub {
 }
 
 /// The hub's task: subscribes the scopes' channels on one connection, routes the messages,
-/// connects again when the connection goes (a closing missed meanwhile is made up for by
-/// each scope's poll), and ends with the last scope.
-async fn listen(hub: Arc<Hub>, client: redis::Client, call_timeout: Duration) {
+/// connects again when the connection goes (to the next of `nodes`, a cluster's seed nodes;
+/// a closing missed meanwhile is made up for by each scope's poll), and ends with the last
+/// scope.
+async fn listen(hub: Arc<Hub>, nodes: Arc<[redis::Client]>, call_timeout: Duration) {
     let mut running = Running(Some(hub.clone()));
     let mut subscribed: HashSet<String> = HashSet::new();
+    let mut node = 0;
+    // The nodes tried in a row without a subscription.
+    let mut missed = 0;
     loop {
         let Some(wanted) = hub.channels() else {
             running.0 = None;
             return;
         };
+        let client = &nodes[node % nodes.len()];
         let connect = tokio::time::timeout(call_timeout * 4, client.get_async_pubsub()).await;
         let Ok(Ok(pubsub)) = connect else {
-            // Not now: again after a pause, or when a scope comes or goes.
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(500)) => {}
-                () = hub.changed.notified() => {}
+            node += 1;
+            missed += 1;
+            if missed >= nodes.len() {
+                // None now: again after a pause, or when a scope comes or goes.
+                missed = 0;
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    () = hub.changed.notified() => {}
+                }
             }
             continue;
         };
+        missed = 0;
         let (mut sink, mut stream) = pubsub.split();
         subscribed.clear();
         if resubscribe(&mut sink, &mut subscribed, wanted, call_timeout)
@@ -114,8 +133,12 @@ async fn listen(hub: Arc<Hub>, client: redis::Client, call_timeout: Duration) {
             tokio::select! {
                 msg = stream.next() => match msg {
                     Some(msg) => hub.route(&msg),
-                    // The connection went: connect again.
-                    None => break,
+                    // The connection went (its node with it, maybe): connect again, to the
+                    // next node first.
+                    None => {
+                        node += 1;
+                        break;
+                    }
                 },
                 () = hub.changed.notified() => {
                     let Some(wanted) = hub.channels() else {

@@ -31,12 +31,14 @@ pub(super) struct Shared {
     pub(super) flush_interval: Duration,
     pub(super) failures_to_local: u32,
     pub(super) subscribe: bool,
+    /// No attempt is admitted while out of touch.
+    pub(super) fail_closed: bool,
     pub(super) process: u64,
     pub(super) gate: Option<Arc<Gate>>,
     pub(super) budget: Option<BudgetConfig>,
     pub(super) pacer: Option<Arc<Pacer>>,
     /// The connection, once made: the pacing reserves its slots through it.
-    pub(super) conn: OnceLock<ConnectionManager>,
+    pub(super) conn: OnceLock<Conn>,
     pub(super) reserve: redis::Script,
     /// The attempts of this process waiting for a slot of the fleet's schedule, in order.
     pub(super) line: Mutex<std::collections::VecDeque<Waiter>>,
@@ -101,6 +103,7 @@ impl Link {
             flush_interval: store.flush_interval,
             failures_to_local: store.failures_to_local,
             subscribe: store.subscribe,
+            fail_closed: store.fail_closed,
             process,
             gate,
             budget,
@@ -155,8 +158,8 @@ impl Link {
         };
         let mut start = self.start.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(source) = start.take() {
-            if let (Source::Client(client, _, hub), true) = (&*source, self.shared.subscribe) {
-                hub.join(&self.shared, client, &handle);
+            if let (Some((seeds, hub)), true) = (source.hub(), self.shared.subscribe) {
+                hub.join(&self.shared, seeds, &handle);
                 self.shared.hub.set(hub.clone()).ok();
             }
             handle.spawn(run(self.shared.clone(), *source));
@@ -265,6 +268,17 @@ impl Link {
         Some(Box::pin(async move {
             let _ = tokio::time::timeout(deadline, read.cancelled_owned()).await;
         }))
+    }
+
+    /// Whether an attempt may start: always, unless the fleet fails closed and is not in
+    /// touch.
+    pub(crate) fn admits(&self) -> bool {
+        let s = &self.shared;
+        if !s.fail_closed {
+            return true;
+        }
+        self.ensure_started();
+        s.mode.load(Ordering::Acquire) == CONNECTED
     }
 
     /// The fleet's pacing rate, while in touch and known.

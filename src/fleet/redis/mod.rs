@@ -22,6 +22,10 @@
 //! The attempts beyond are asked for again, together, when the schedule has half a horizon
 //! left. A script Redis does not answer within its deadline sends its attempts, and those
 //! queued behind them, to the local line.
+//!
+//! The connection is one node's, or a Redis Cluster's (`conn`): the scripts are the same,
+//! each naming only keys of its scope's hash tag, so a cluster client runs each on the node
+//! of that one slot.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -29,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -39,11 +43,13 @@ use super::gate::Gate;
 use super::limit::Pacer;
 use super::pacing::RemoteOutcome;
 
+mod conn;
 mod hub;
 mod link;
 mod pace;
 mod task;
 
+use self::conn::{cluster_nodes, Conn, Connector};
 pub(crate) use self::link::Link;
 pub(crate) use self::pace::RemoteTurn;
 use self::{link::*, pace::*, task::*};
@@ -57,8 +63,8 @@ use crate::error::ConfigError;
 /// state stays the fallback. See [Across processes](crate::fleet#across-processes).
 ///
 /// Defaults: prefix `llm-retry`, a 50 ms deadline on every Redis call, the gate polled every
-/// second, counts flushed every 100 ms, local state after 3 failed calls in a row, pub/sub on
-/// (when built from a URL or a client).
+/// second, counts flushed every 100 ms, local state after 3 failed calls in a row (fail open),
+/// pub/sub on (when built from a URL, a client or a cluster's nodes).
 #[derive(Clone)]
 pub struct RedisFleet {
     source: Source,
@@ -71,6 +77,7 @@ pub struct RedisFleet {
     flush_interval: Duration,
     failures_to_local: u32,
     subscribe: bool,
+    fail_closed: bool,
 }
 
 #[derive(Clone)]
@@ -83,13 +90,58 @@ enum Source {
         Arc<hub::Hub>,
     ),
     Manager(ConnectionManager),
+    /// The seed nodes of a Redis Cluster, and the one cluster connection the fleets of this
+    /// store make from them and share.
+    #[cfg(feature = "fleet-redis-cluster")]
+    Cluster(
+        Arc<[redis::Client]>,
+        Arc<Mutex<Option<redis::cluster_async::ClusterConnection>>>,
+        Arc<hub::Hub>,
+    ),
+}
+
+impl Source {
+    /// How the background task gets its connection, and the connection it was given.
+    fn connector(self) -> (Option<Connector>, Option<Conn>) {
+        match self {
+            Source::Client(client, cell, _) => (Some(Connector::Node(client, cell)), None),
+            Source::Manager(m) => (None, Some(Conn::Node(m))),
+            #[cfg(feature = "fleet-redis-cluster")]
+            Source::Cluster(seeds, cell, _) => (Some(Connector::Cluster(seeds, cell)), None),
+        }
+    }
+
+    /// The nodes a subscription may be made on, and the store's one subscription.
+    fn hub(&self) -> Option<(Arc<[redis::Client]>, &Arc<hub::Hub>)> {
+        match self {
+            Source::Client(client, _, hub) => Some((Arc::from([client.clone()]), hub)),
+            Source::Manager(_) => None,
+            #[cfg(feature = "fleet-redis-cluster")]
+            Source::Cluster(seeds, _, hub) => Some((seeds.clone(), hub)),
+        }
+    }
 }
 
 impl RedisFleet {
-    /// A fleet store at `url` (`redis://host:port/db`, `rediss://…`, `redis+unix:///path`).
-    /// Nothing is connected yet: the fleet connects in the background once it is used, and
-    /// keeps to its local state until then. The URL is never logged.
+    /// A fleet store at `url` (`redis://host:port/db`, `rediss://…`, `redis+unix:///path`),
+    /// or on the Redis Cluster whose seed nodes `url` lists
+    /// (`redis+cluster://[user:password@]host1:port1,host2:port2`, `rediss+cluster://…`;
+    /// feature `fleet-redis-cluster`), as [`from_cluster_nodes`](Self::from_cluster_nodes)
+    /// with the URL's credentials on every node. Nothing is connected yet: the fleet connects
+    /// in the background once it is used, and keeps to its local state until then. The URL
+    /// is never logged.
     pub fn from_url(url: &str) -> Result<Self, ConfigError> {
+        if let Some(nodes) = cluster_nodes(url) {
+            #[cfg(feature = "fleet-redis-cluster")]
+            return Self::from_cluster_nodes(nodes?);
+            #[cfg(not(feature = "fleet-redis-cluster"))]
+            {
+                let _ = nodes?;
+                return Err(ConfigError::new(
+                    "a Redis Cluster URL needs the `fleet-redis-cluster` feature",
+                ));
+            }
+        }
         // The error would quote the URL, and a URL may carry a password.
         let client = redis::Client::open(url).map_err(|_| ConfigError::new("invalid Redis URL"))?;
         Ok(Self::from_client(client))
@@ -99,6 +151,41 @@ impl RedisFleet {
     /// pub/sub, shared by every scope of the fleets built from this store and its clones.
     pub fn from_client(client: redis::Client) -> Self {
         Self::with_source(Source::Client(client, Arc::default(), Arc::default()))
+    }
+
+    /// A fleet store on a Redis Cluster (or Valkey in cluster mode), given some of its nodes
+    /// (`redis://host:port/`, `rediss://…`): the client learns the others, and which owns
+    /// which hash slot, from them. Every scope's keys share one hash slot (its hash tag), so
+    /// each script runs on the one node that owns it; a node that is lost takes only the
+    /// coordination of the scopes on its slots with it (they keep to their local state until
+    /// its slots answer again), and a slot that moves is followed (`MOVED`, `ASK`).
+    ///
+    /// The closings of the gate are published with `PUBLISH`, which a cluster delivers to
+    /// the subscribers of every node: the store's one subscription is made on a seed node, on
+    /// the next one when that node is lost. The seed nodes' URLs are never logged.
+    #[cfg(feature = "fleet-redis-cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "fleet-redis-cluster")))]
+    pub fn from_cluster_nodes<I>(nodes: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        let seeds = nodes
+            .into_iter()
+            .map(|url| redis::Client::open(url.as_ref()))
+            .collect::<Result<Vec<_>, _>>()
+            // The error would quote the URL, and a URL may carry a password.
+            .map_err(|_| ConfigError::new("invalid Redis URL among the cluster's nodes"))?;
+        if seeds.is_empty() {
+            return Err(ConfigError::new(
+                "a Redis Cluster needs at least one seed node",
+            ));
+        }
+        Ok(Self::with_source(Source::Cluster(
+            seeds.into(),
+            Arc::default(),
+            Arc::default(),
+        )))
     }
 
     /// A fleet store through a connection manager of the caller's. A connection manager
@@ -121,6 +208,7 @@ impl RedisFleet {
             flush_interval: Duration::from_millis(100),
             failures_to_local: 3,
             subscribe: true,
+            fail_closed: false,
         }
     }
 
@@ -176,7 +264,31 @@ impl RedisFleet {
     /// clones share one subscription, whatever their number of scopes. Defaults to true
     /// (false from [`from_manager`](RedisFleet::from_manager)).
     pub fn subscribe(mut self, on: bool) -> Self {
-        self.subscribe = on && matches!(self.source, Source::Client(..));
+        self.subscribe = on && self.source.hub().is_some();
+        self
+    }
+
+    /// Whether the fleet admits no attempt while it is out of touch with Redis (fail closed),
+    /// instead of going on with its local state (fail open).
+    ///
+    /// Failing open, an outage of Redis costs coordination only: each process keeps to its
+    /// own gate and its share of the budget and of the pacing, so the fleet as a whole may
+    /// exceed a limit it would have kept (by the gate closings it does not learn of, and by
+    /// the processes that went since it last counted them). Failing closed, it never does,
+    /// and pays with availability: while Redis (for a cluster, the node that owns the scope's
+    /// slot) is out of reach, every attempt of the scope ends at once with
+    /// [`ErrorKind::FleetUnreachable`](crate::ErrorKind::FleetUnreachable), and nothing is
+    /// sent (a retry is not admitted either: the request ends with that error, its trail
+    /// listing the attempts made). For users who must never exceed a paid limit, and would
+    /// rather refuse than risk it; a caller that would rather wait retries the error itself.
+    ///
+    /// Out of touch means what [`RedisState::Local`] and [`RedisState::Connecting`] say: a
+    /// process that has not yet been in touch refuses too (after waiting for the first read
+    /// of the gate, one call deadline, when the fleet has a gate), and the attempts made
+    /// while the fleet finds out that Redis went (three failed calls, each within its
+    /// deadline) are admitted. Defaults to false (fail open).
+    pub fn fail_closed(mut self, on: bool) -> Self {
+        self.fail_closed = on;
         self
     }
 
@@ -203,6 +315,7 @@ impl fmt::Debug for RedisFleet {
             .field("call_timeout", &self.call_timeout)
             .field("poll_interval", &self.poll_interval)
             .field("subscribe", &self.subscribe)
+            .field("fail_closed", &self.fail_closed)
             .finish_non_exhaustive()
     }
 }
@@ -392,6 +505,26 @@ mod tests {
         assert_ne!(upstream.scope_id(), id);
         // The separator keeps ("ab", "c") and ("a", "bc") apart.
         assert_ne!(scope_hash("ab", b"c"), scope_hash("a", b"bc"));
+    }
+
+    #[cfg(feature = "fleet-redis-cluster")]
+    #[test]
+    fn a_cluster_is_named_by_its_seed_nodes_and_never_quoted() {
+        let store = RedisFleet::from_url("redis+cluster://:hunter2@10.0.0.1:7000,10.0.0.2:7000")
+            .unwrap()
+            .scope("api.anthropic.com", b"sk-ant-api03-secret");
+        assert!(matches!(&store.source, Source::Cluster(seeds, ..) if seeds.len() == 2));
+        assert!(store.subscribe);
+        assert!(!format!("{store:?}").contains("hunter2"));
+        let nodes = [
+            "redis://:hunter2@10.0.0.1:7000/",
+            "redis://:hunter2@10.0.0.2:7000/",
+        ];
+        assert!(RedisFleet::from_cluster_nodes(nodes).is_ok());
+        let e = RedisFleet::from_cluster_nodes(["redis://:hunter2@h:1/", "nonsense://:hunter2@h"])
+            .unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        assert!(RedisFleet::from_cluster_nodes(Vec::<String>::new()).is_err());
     }
 
     #[test]

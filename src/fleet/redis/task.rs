@@ -5,8 +5,8 @@ use super::*;
 /// What the background task holds between rounds.
 pub(super) struct Task {
     pub(super) shared: Arc<Shared>,
-    pub(super) client: Option<(redis::Client, Arc<Mutex<Option<ConnectionManager>>>)>,
-    pub(super) conn: Option<ConnectionManager>,
+    pub(super) connector: Option<Connector>,
+    pub(super) conn: Option<Conn>,
     pub(super) close: redis::Script,
     pub(super) poll: redis::Script,
     pub(super) budget: redis::Script,
@@ -67,14 +67,11 @@ impl Drop for Stopped {
 
 pub(super) async fn run(shared: Arc<Shared>, source: Source) {
     let _stopped = Stopped(shared.clone());
-    let (client, conn) = match source {
-        Source::Client(c, cell, _) => (Some((c, cell)), None),
-        Source::Manager(m) => (None, Some(m)),
-    };
+    let (connector, conn) = source.connector();
     let now = Instant::now();
     let mut task = Task {
         shared: shared.clone(),
-        client,
+        connector,
         conn,
         close: redis::Script::new(CLOSE),
         poll: redis::Script::new(POLL),
@@ -156,21 +153,9 @@ impl Task {
             || s.granted.load(Ordering::Relaxed) < MIN_GRANT
     }
 
-    pub(super) fn connection(&mut self) -> Option<ConnectionManager> {
+    pub(super) fn connection(&mut self) -> Option<Conn> {
         if self.conn.is_none() {
-            let (client, cell) = self.client.clone()?;
-            let mut cell = cell.lock().unwrap_or_else(PoisonError::into_inner);
-            if cell.is_none() {
-                let t = self.shared.call_timeout;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(t))
-                    .set_response_timeout(Some(t))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(50))
-                    .set_max_delay(Duration::from_secs(1));
-                *cell = ConnectionManager::new_lazy_with_config(client, config).ok();
-            }
-            self.conn = cell.clone();
+            self.conn = self.connector.as_ref()?.connect(self.shared.call_timeout);
         }
         if let Some(conn) = &self.conn {
             let _ = self.shared.conn.set(conn.clone());
@@ -227,7 +212,7 @@ impl Task {
     /// missed its deadline.
     pub(super) async fn exchange(
         &mut self,
-        conn: &mut ConnectionManager,
+        conn: &mut Conn,
         connected: bool,
         now: Instant,
     ) -> Result<bool, ()> {
@@ -341,7 +326,7 @@ impl Task {
     pub(super) async fn call<T: redis::FromRedisValue>(
         &self,
         invocation: redis::ScriptInvocation<'_>,
-        conn: &mut ConnectionManager,
+        conn: &mut Conn,
     ) -> Result<T, ()> {
         match tokio::time::timeout(self.shared.call_timeout, invocation.invoke_async(conn)).await {
             Ok(Ok(v)) => Ok(v),
@@ -355,7 +340,7 @@ impl Task {
 
     pub(super) async fn send_close(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut Conn,
         until: Instant,
         announced: Duration,
     ) -> Result<(), ()> {
@@ -381,7 +366,7 @@ impl Task {
         Ok(())
     }
 
-    pub(super) async fn poll_gate(&self, conn: &mut ConnectionManager) -> Result<(), ()> {
+    pub(super) async fn poll_gate(&self, conn: &mut Conn) -> Result<(), ()> {
         let s = &self.shared;
         let mut inv = self.poll.prepare_invoke();
         inv.key(&s.keys.gate)
@@ -414,7 +399,7 @@ impl Task {
     /// A call that gets no answer in time may still run in Redis: it is not counted again
     /// with the next, but sent again as it was, under its number, which the script applies
     /// once (and answers again with what it granted then).
-    pub(super) async fn flush(&mut self, conn: &mut ConnectionManager) -> Result<(), ()> {
+    pub(super) async fn flush(&mut self, conn: &mut Conn) -> Result<(), ()> {
         let s = self.shared.clone();
         let Some(config) = s.budget else {
             return Ok(());
