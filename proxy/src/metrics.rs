@@ -229,7 +229,7 @@ impl Metrics {
         );
         r.register(
             "paced_scopes",
-            "Tenants of an upstream whose pacing is awake: it saw evidence of a rate limit their own rate meets",
+            "Tenants of an upstream whose pacing paces: it saw evidence of a rate limit their own rate meets, or it warms a new tenant up",
             m.paced_scopes.clone(),
         );
         r.register(

@@ -23,10 +23,10 @@ mod first_output;
 mod fleet;
 #[cfg(feature = "fleet-redis")]
 mod fleet_redis;
-#[cfg(feature = "google-auth")]
-mod google_auth;
 #[cfg(feature = "fleet-redis-cluster")]
 mod fleet_redis_cluster;
+#[cfg(feature = "google-auth")]
+mod google_auth;
 mod http2;
 mod incomplete_stream;
 mod mcp;
