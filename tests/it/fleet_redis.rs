@@ -37,18 +37,18 @@ fn patient(store: RedisFleet) -> RedisFleet {
     store.call_timeout(Duration::from_millis(250)).unwrap()
 }
 
-fn gate() -> GateConfig {
+pub(super) fn gate() -> GateConfig {
     GateConfig::new()
         .min_close(Duration::ZERO)
         .spread(0.25, Duration::from_secs(30))
         .unwrap()
 }
 
-fn policy() -> RetryPolicy {
+pub(super) fn policy() -> RetryPolicy {
     RetryPolicy::default().jitter(Jitter::none())
 }
 
-fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
+pub(super) fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
     RetryLayer::new()
         .policy(policy)
         .fleet(fleet.clone())
@@ -56,7 +56,7 @@ fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
 }
 
 /// Waits (in real time) until `cond` holds, for at most `limit`; returns how long it took.
-async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+pub(super) async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
     let start = Instant::now();
     while start.elapsed() <= limit {
         if cond() {
@@ -67,7 +67,7 @@ async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Durat
     None
 }
 
-fn connected(fleet: &Fleet) -> bool {
+pub(super) fn connected(fleet: &Fleet) -> bool {
     matches!(fleet.redis_state(), Some(RedisState::Connected { .. }))
 }
 

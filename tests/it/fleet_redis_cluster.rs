@@ -10,31 +10,14 @@ use std::time::Duration;
 use crate::common::*;
 use http::StatusCode;
 use tokio::time::Instant;
-use tower::{Layer, ServiceExt};
-use tower_llm_retry::fleet::{Fleet, GateConfig, RedisFleet, RedisState};
+use tower::ServiceExt;
+use tower_llm_retry::fleet::{Fleet, RedisFleet, RedisState};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
-use tower_llm_retry::retry::{Jitter, Retry};
-use tower_llm_retry::{ErrorKind, RetryLayer, RetryPolicy, RetryTrail};
+use tower_llm_retry::retry::Retry;
+use tower_llm_retry::{ErrorKind, RetryTrail};
 
 use super::fleet_redis::redis_server::{RedisCluster, RedisServer};
-
-fn gate() -> GateConfig {
-    GateConfig::new()
-        .min_close(Duration::ZERO)
-        .spread(0.25, Duration::from_secs(30))
-        .unwrap()
-}
-
-fn policy() -> RetryPolicy {
-    RetryPolicy::default().jitter(Jitter::none())
-}
-
-fn stack(fleet: &Fleet, policy: RetryPolicy) -> Retry<HttpClient> {
-    RetryLayer::new()
-        .policy(policy)
-        .fleet(fleet.clone())
-        .layer(http_client())
-}
+use super::fleet_redis::{connected, gate, policy, stack, within};
 
 fn fleet(store: RedisFleet) -> Fleet {
     Fleet::builder()
@@ -43,21 +26,6 @@ fn fleet(store: RedisFleet) -> Fleet {
         .build()
 }
 
-/// Waits (in real time) until `cond` holds, for at most `limit`; returns how long it took.
-async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() <= limit {
-        if cond() {
-            return Some(start.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    None
-}
-
-fn connected(fleet: &Fleet) -> bool {
-    matches!(fleet.redis_state(), Some(RedisState::Connected { .. }))
-}
 
 fn local(fleet: &Fleet) -> bool {
     matches!(fleet.redis_state(), Some(RedisState::Local { .. }))
