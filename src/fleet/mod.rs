@@ -276,6 +276,8 @@ mod redis;
 mod scope;
 mod store;
 mod ticket;
+mod token_ticket;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -291,6 +293,12 @@ pub use self::pacing::{PacingConfig, PacingWake};
 pub use self::redis::{RedisFleet, RedisState};
 pub use self::scope::ScopeKey;
 pub(crate) use self::ticket::Ticket;
+pub(crate) use self::token_ticket::{TokenTicket, UsageTap};
+pub(crate) use self::tokens::{read_usage, Cost, TokenPacer, Usage};
+pub use self::tokens::{
+    InputCounter, TokenBucketStats, TokenPacingConfig, TokenPacingStats, TokenWake,
+};
+pub use crate::provider::ratelimit::TokenKind;
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
@@ -341,6 +349,7 @@ struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
     gate: Option<Arc<Gate>>,
     pacer: Option<Arc<Pacer>>,
+    tokens: Option<Arc<TokenPacer>>,
     /// Where the state lives: in this process, or shared with others.
     store: Store,
     /// Per scope: the states of each upstream and credential, made on first use.
@@ -360,6 +369,7 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
+    token_pacing: Option<TokenPacingConfig>,
     /// `None`: the default, per scope unless the fleet has a Redis store.
     per_scope: Option<bool>,
     scope_key: Option<KeyFn>,
@@ -393,6 +403,17 @@ impl FleetBuilder {
     /// last second, with a burst of 1 s; `None` turns it off.
     pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
         self.pacing = pacing;
+        self
+    }
+
+    /// Pacing by tokens: once a provider says a token limit is nearly spent, or answers a
+    /// `429` for one, requests are admitted against a token bucket sized from the stated
+    /// limit, in arrival order, beside the request pacing. See
+    /// [Pacing by tokens](crate::fleet#pacing-by-tokens) and [`TokenPacingConfig`].
+    /// Defaults to [`TokenPacingConfig::new`]: dormant until that evidence; `None` turns it
+    /// off.
+    pub fn token_pacing(mut self, tokens: Option<TokenPacingConfig>) -> Self {
+        self.token_pacing = tokens;
         self
     }
 
@@ -509,12 +530,14 @@ impl FleetBuilder {
     fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {
         let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
         let pacer = self.pacing.map(|p| Arc::new(Pacer::new(p)));
+        let tokens = self.token_pacing.map(|t| Arc::new(TokenPacer::new(t)));
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
                 store: self.store.build(gate.as_ref(), self.budget, pacer.as_ref()),
                 gate,
                 pacer,
+                tokens,
                 scopes,
                 scope,
             }),
@@ -528,6 +551,7 @@ impl Default for FleetBuilder {
             budget: Some(BudgetConfig::default()),
             gate: Some(GateConfig::new()),
             pacing: Some(PacingConfig::new()),
+            token_pacing: Some(TokenPacingConfig::new()),
             per_scope: None,
             scope_key: None,
             max_scopes: MAX_SCOPES,
@@ -542,6 +566,7 @@ impl std::fmt::Debug for FleetBuilder {
             .field("budget", &self.budget)
             .field("gate", &self.gate)
             .field("pacing", &self.pacing)
+            .field("token_pacing", &self.token_pacing)
             .field("per_scope", &self.per_scope)
             .field("scope_key", &self.scope_key.is_some())
             .field("max_scopes", &self.max_scopes)
@@ -741,6 +766,70 @@ impl Fleet {
         self.inner.pacer.as_deref()
     }
 
+    fn tokens(&self) -> Option<&TokenPacer> {
+        self.inner.tokens.as_deref()
+    }
+
+    /// The token pacing's state, when it is on: the tokens per minute believed, the level
+    /// of each awake bucket, the requests in line for tokens, those that waited and those
+    /// that gave up. Of a fleet kept per scope: summed over its scopes and its own state
+    /// (a scope's handle reads its own). See [Pacing by tokens](crate::fleet#pacing-by-tokens).
+    pub fn token_pacing(&self) -> Option<TokenPacingStats> {
+        let mut sum = self.tokens()?.stats();
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(|f| {
+                if let Some(t) = f.tokens() {
+                    sum.add(&t.stats());
+                }
+            });
+        }
+        Some(sum)
+    }
+
+    /// Whether this state's token pacing is awake, and what woke it, when it is on: `None`
+    /// while it sleeps. A scope's handle reads its own.
+    pub fn token_pacing_state(&self) -> Option<TokenWake> {
+        let t = self.tokens()?;
+        t.is_awake().then(|| t.woken_by()).flatten()
+    }
+
+    /// A place in the line for tokens, when the token pacing is awake: `cost` gives the
+    /// request's cost (called only then). Bounded like a pacing ticket.
+    pub(crate) fn token_ticket(
+        &self,
+        cost: impl FnOnce(Option<&InputCounter>) -> Cost,
+        limits: Limits<'_>,
+        deadline: Option<Instant>,
+    ) -> Option<TokenTicket> {
+        let tokens = self.tokens()?;
+        if !tokens.is_awake() {
+            return None;
+        }
+        let cost = cost(tokens.config().counter());
+        let now = Instant::now();
+        let ceiling = now + limits.retry_after_max.min(MAX_PACING_WAIT);
+        let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
+        Some(TokenTicket {
+            fleet: self.clone(),
+            n: tokens.join(cost),
+            cost,
+            since: now,
+            give_up_at,
+            by_deadline: deadline.is_some_and(|d| d <= ceiling),
+            joined: false,
+            done: false,
+            sleep: None,
+        })
+    }
+
+    /// Settles the tokens an attempt took: `usage` is what its answer reported (nothing,
+    /// for an answer the server did not count: the whole charge comes back).
+    pub(crate) fn settle_tokens(&self, charged: Cost, usage: Usage) {
+        if let Some(t) = self.tokens() {
+            t.settle(charged, usage);
+        }
+    }
+
     /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
     /// turn no longer than the policy's Retry-After ceiling, nor past `deadline`. Dropping it
     /// before its turn leaves the line.
@@ -835,8 +924,18 @@ impl Fleet {
         head: &http::response::Parts,
         retry_after: Option<Duration>,
         limits: Limits<'_>,
+        named: Option<TokenKind>,
     ) {
         let ceiling = limits.retry_after_max;
+        if let Some(tokens) = self.tokens() {
+            let now = || crate::classify::headers::server_now(&head.headers);
+            let headers = crate::provider::ratelimit::TokenHeaders::read(&head.headers, now);
+            tokens.observe(
+                &headers,
+                head.status == StatusCode::TOO_MANY_REQUESTS,
+                named,
+            );
+        }
         // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
         // do) is not taken as a wait by the fleet either.
         let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;

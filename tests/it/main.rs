@@ -33,4 +33,5 @@ mod reqwest;
 mod reqwest_tls;
 mod soak;
 mod streaming;
+mod tokens;
 mod unsendable;
