@@ -809,9 +809,16 @@ impl Fleet {
         let now = Instant::now();
         let ceiling = now + limits.retry_after_max.min(MAX_PACING_WAIT);
         let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
+        // Tokens from the buckets the store shares; this process's otherwise.
+        let remote = self.inner.store.is_shared().then(|| {
+            let args = tokens.args(cost, None);
+            let wait = give_up_at.saturating_duration_since(now);
+            self.inner.store.reserve_tokens(&args, wait)
+        });
         Some(TokenTicket {
             fleet: self.clone(),
-            n: tokens.join(cost),
+            n: None,
+            remote: remote.flatten(),
             cost,
             since: now,
             give_up_at,
@@ -826,6 +833,9 @@ impl Fleet {
     /// for an answer the server did not count: the whole charge comes back).
     pub(crate) fn settle_tokens(&self, charged: Cost, usage: Usage) {
         if let Some(t) = self.tokens() {
+            if charged.shared {
+                self.inner.store.give_tokens(&t.args(charged, Some(usage)));
+            }
             t.settle(charged, usage);
         }
     }

@@ -7,14 +7,18 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
-use super::tokens::{Admit, Cost};
+use super::store::RemoteTokens;
+use super::tokens::{Admit, Cost, TokensOutcome};
 use super::Fleet;
 
 /// A place in the line for tokens: head-of-line order, bounded like the pacing line (the
 /// request's `retry_after_max` or its deadline).
 pub(crate) struct TokenTicket {
     pub(super) fleet: Fleet,
-    pub(super) n: u64,
+    /// Its place in the local line, once it joined it.
+    pub(super) n: Option<u64>,
+    /// Its booking in the buckets the store shares, while it waits for it.
+    pub(super) remote: Option<RemoteTokens>,
     pub(super) cost: Cost,
     pub(super) since: Instant,
     pub(super) give_up_at: Instant,
@@ -37,11 +41,36 @@ impl TokenTicket {
             .fleet
             .tokens()
             .expect("token tickets come from a token pacer");
+        if let Some(remote) = &mut self.remote {
+            let outcome = std::task::ready!(remote.poll(cx));
+            self.remote = None;
+            let now = Instant::now();
+            match outcome {
+                TokensOutcome::Go(levels) => {
+                    tokens.learn_levels(levels);
+                    self.done = true;
+                    self.cost.shared = true;
+                    let waited = now.saturating_duration_since(self.since);
+                    if !waited.is_zero() {
+                        tokens.count_waited();
+                    }
+                    return Poll::Ready(Ok(waited));
+                }
+                TokensOutcome::TooFar(wait, levels) => {
+                    tokens.learn_levels(levels);
+                    let left = self.give_up_at.saturating_duration_since(now);
+                    return Poll::Ready(Err(self.refuse(Some(wait), left)));
+                }
+                // The store did not answer in time: this process's line, at once.
+                TokensOutcome::Failed => {}
+            }
+        }
+        let n = *self.n.get_or_insert_with(|| tokens.join(self.cost));
         loop {
             let joining = !std::mem::replace(&mut self.joined, true);
             let now = Instant::now();
             let left = self.give_up_at.saturating_duration_since(now);
-            let wake_at = match tokens.poll_admit(self.n, cx.waker()) {
+            let wake_at = match tokens.poll_admit(n, cx.waker()) {
                 Admit::Go => {
                     self.done = true;
                     self.sleep = None;
@@ -83,7 +112,9 @@ impl TokenTicket {
         self.done = true;
         self.sleep = None;
         if let Some(t) = self.fleet.tokens() {
-            t.leave(self.n);
+            if let Some(n) = self.n {
+                t.leave(n);
+            }
             t.count_refused();
         }
         let refused = TokensRefused {
@@ -110,10 +141,8 @@ impl TokenTicket {
 
 impl Drop for TokenTicket {
     fn drop(&mut self) {
-        if !self.done {
-            if let Some(t) = self.fleet.tokens() {
-                t.leave(self.n);
-            }
+        if let (false, Some(n), Some(t)) = (self.done, self.n, self.fleet.tokens()) {
+            t.leave(n);
         }
     }
 }

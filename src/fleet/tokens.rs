@@ -131,6 +131,8 @@ impl TokenPacingConfig {
 pub(crate) struct Cost {
     pub(crate) input: u64,
     pub(crate) output: u64,
+    /// Taken from the buckets shared through the store, not this process's.
+    pub(crate) shared: bool,
 }
 
 impl Cost {
@@ -154,8 +156,37 @@ impl Cost {
             .iter()
             .find_map(|k| crate::json_edit::read_value::<u64>(body, k))
             .unwrap_or(0);
-        Cost { input, output }
+        Cost {
+            input,
+            output,
+            shared: false,
+        }
     }
+}
+
+/// One bucket's part of a booking in the store: its limit, its refill (tokens a second), the
+/// amount, and the level to start from where the store holds no bucket yet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct TokenArg {
+    pub(crate) cap: f64,
+    pub(crate) refill: f64,
+    pub(crate) amount: f64,
+    pub(crate) start: f64,
+}
+
+/// A booking's parts, by kind (`None`: the kind is not paced).
+pub(crate) type TokenArgs = [Option<TokenArg>; 3];
+
+/// How a booking in the store ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+pub(crate) enum TokensOutcome {
+    /// The tokens are in hand; the buckets' levels after.
+    Go([Option<f64>; 3]),
+    /// They would come later than the attempt may wait: nothing was booked.
+    TooFar(Duration, [Option<f64>; 3]),
+    /// The store did not answer in time: the local bucket.
+    Failed,
 }
 
 /// The built-in estimate of a request's input tokens: a quarter of its body's bytes, the
@@ -194,6 +225,17 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 pub(crate) struct Usage {
     pub(crate) input: Option<u64>,
     pub(crate) output: Option<u64>,
+}
+
+impl Usage {
+    /// What was used of `charged`: the usage reported, the charge where it reported none.
+    pub(crate) fn cost(&self, charged: Cost) -> Cost {
+        Cost {
+            input: self.input.unwrap_or(charged.input),
+            output: self.output.unwrap_or(charged.output),
+            shared: charged.shared,
+        }
+    }
 }
 
 /// The longest `usage` object read.
@@ -574,9 +616,7 @@ impl TokenPacer {
     pub(crate) fn settle(&self, charged: Cost, usage: Usage) {
         let now = Instant::now();
         let mut s = self.lock();
-        let input = usage.input.unwrap_or(charged.input);
-        let output = usage.output.unwrap_or(charged.output);
-        let used = Cost { input, output };
+        let used = usage.cost(charged);
         for kind in TokenKind::ALL {
             if let Some(b) = &mut s.buckets[kind.index()] {
                 b.refill_to(now);
@@ -588,6 +628,42 @@ impl TokenPacer {
         }
         if let Some(w) = s.line.front_mut().and_then(|w| w.waker.take()) {
             w.wake();
+        }
+    }
+
+    /// What a booking of `cost` asks of the store (`give`: the give-back of `charged` for
+    /// `usage` instead).
+    pub(crate) fn args(&self, cost: Cost, give: Option<Usage>) -> TokenArgs {
+        let now = Instant::now();
+        let mut s = self.lock();
+        let mut args = [None; 3];
+        for kind in TokenKind::ALL {
+            if let Some(b) = &mut s.buckets[kind.index()] {
+                b.refill_to(now);
+                let amount = match give {
+                    None => b.need(cost.of(kind)),
+                    Some(usage) => b.need(cost.of(kind)) - usage.cost(cost).of(kind) as f64,
+                };
+                args[kind.index()] = Some(TokenArg {
+                    cap: b.capacity,
+                    refill: b.refill,
+                    amount,
+                    start: b.level,
+                });
+            }
+        }
+        args
+    }
+
+    /// The levels the store holds, as it answered: this process's buckets mirror them.
+    pub(crate) fn learn_levels(&self, levels: [Option<f64>; 3]) {
+        let now = Instant::now();
+        let mut s = self.lock();
+        for (b, level) in s.buckets.iter_mut().zip(levels) {
+            if let (Some(b), Some(level)) = (b, level) {
+                b.refill_to(now);
+                b.level = level.min(b.capacity);
+            }
         }
     }
 
@@ -737,7 +813,8 @@ mod tests {
             c,
             Cost {
                 input: 20,
-                output: 0
+                output: 0,
+                shared: false
             }
         );
     }
@@ -879,10 +956,12 @@ mod tests {
         let big = p.join(Cost {
             input: 3000,
             output: 0,
+            shared: false,
         });
         let small = p.join(Cost {
             input: 10,
             output: 0,
+            shared: false,
         });
         let start = Instant::now();
         assert_eq!(
@@ -904,6 +983,7 @@ mod tests {
         let huge = p.join(Cost {
             input: 9000,
             output: 0,
+            shared: false,
         });
         assert_eq!(
             p.poll_admit(huge, w),
@@ -917,6 +997,7 @@ mod tests {
             Cost {
                 input: 9000,
                 output: 0,
+                shared: false,
             },
             Usage {
                 input: Some(4000),
