@@ -54,6 +54,74 @@
 //! refuses far more. A pacing once woken stays awake, slowed by each round of `429`s and
 //! growing back with the successes.
 //!
+//! # Pacing by tokens
+//!
+//! Providers limit tokens per minute as well as requests, and say so on every answer
+//! (Anthropic: input, output and both together; OpenAI: one token limit, read as both
+//! together; see [the headers](#rate-limit-headers)). For requests with large prompts the
+//! token limit is the one met first, well inside the request limit. The token pacing
+//! ([`TokenPacingConfig`], on by default and dormant) keeps a scope under it:
+//!
+//! - **Dormant** until a token limit is met: a response stating that at most a tenth of a
+//!   token limit is left ([`TokenWake::NearlySpent`]), or a `429` for a token limit
+//!   ([`TokenWake::TokenRefusal`]): its token headers read 0, or its message names input or
+//!   output tokens ("… 40,000 input tokens per minute", "… on tokens per min (TPM)"). A
+//!   `429` for the request limit does not wake it, nor does a stated limit with room left.
+//!   Dormant, it costs a pass over the response's headers.
+//! - **Awake**, a bucket per kind of limit woken, sized from the stated limit and refilled
+//!   continuously at `limit / 60 s`, as the providers describe theirs; it starts from what
+//!   the server said is left. Each attempt takes its cost from every awake bucket before it
+//!   is sent: its input tokens from the input bucket, the output it may produce from the
+//!   output bucket, both from the combined one. A request waits for its tokens, then for its
+//!   request-pacing turn: a turn is not spent waiting for tokens. What the server says is
+//!   left lowers a bucket (it counts every client of the limit), never raises it.
+//! - **Settled by the answer**: a success's usage, read from its body as it goes to the
+//!   caller (`usage.input_tokens` plus `cache_creation_input_tokens`, or `prompt_tokens`;
+//!   `output_tokens` or `completion_tokens`; in a JSON answer, or in a stream's first and
+//!   last events), gives back what the estimate took beyond it, or takes what it fell short.
+//!   The output is settled only when the body was read to its end. An answer the server
+//!   refused (any status but a success) gives the whole charge back: the providers do not
+//!   count it. A transport failure keeps it.
+//! - **No starvation: head-of-line order.** The requests of a scope take their tokens in
+//!   arrival order: a large request at the head of the line is not passed by the small ones
+//!   behind it, though the bucket holds enough for each of them long before it holds enough
+//!   for it. The cost: while a large request waits, the small ones wait behind it, at most
+//!   the large one's refill time. Across processes the order is that of the bookings in
+//!   Redis, the same rule.
+//! - **A request larger than the whole limit** (its estimate above the bucket) is not held
+//!   forever and not refused on an estimate: it waits for a full bucket, takes all of it,
+//!   and goes alone. The server then serves it (the estimate was high: the usage settles the
+//!   difference) or refuses it (its `429` and `Retry-After` come back to the caller as any
+//!   other, and the tokens are given back).
+//! - **Bounded**: an attempt waits for its tokens no longer than it may wait in the request
+//!   pacing's line (its policy's `retry_after_max`, 60 s by default, or its deadline). When it
+//!   is known that its tokens come later (on joining, from the tokens of those ahead of it),
+//!   it ends with [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong) (or
+//!   [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded)), nothing sent.
+//! - **Visible**: [`Fleet::token_pacing`] reads the tokens per minute believed, each
+//!   bucket's level, the requests in line and those that waited; [`Fleet::token_pacing_state`]
+//!   what woke a scope's; a request that waited for tokens says how long in its
+//!   [`RetryTrail::token_wait`](crate::RetryTrail::token_wait).
+//!
+//! ## The estimate
+//!
+//! A request's input tokens are estimated before it is sent from its buffered body: a
+//! quarter of its bytes, each base64 `"data"` string of 1 KiB or more (an image, a document)
+//! counted as 1,600 tokens instead. Four bytes a token is the providers' own rule of thumb
+//! for English; the JSON around the messages (keys, quotes, the model's name, tool schemas)
+//! makes it an over-estimate, which is the safe side (the usage gives the excess back), and
+//! one pass over the bytes costs far less than a tokenizer. Code and languages that take
+//! more tokens a byte are under-estimated until their usage comes back.
+//! [`TokenPacingConfig::input_counter`] puts the caller's own count in its place. The output
+//! reserved is the request's `max_tokens` (or `max_completion_tokens`, `max_output_tokens`),
+//! as Anthropic reserves it against its output limit, 0 when it sets none.
+//!
+//! Across processes (`fleet-redis`), the buckets of a scope are one in Redis: an attempt
+//! books its tokens with one script on Redis's clock (a GCRA weighted by the tokens, so the
+//! bookings keep their arrival order) and sleeps locally until they are in hand; the usage
+//! gives back in the background. A booking Redis does not answer within its deadline takes
+//! this process's bucket instead. Each process wakes on its own answers.
+//!
 //! # Sharing
 //!
 //! A [`Fleet`] is a handle on one state: its clones share it. Every layer given the same
@@ -111,6 +179,7 @@
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
 //! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds whose gate is open; with all in use or closed, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope; the fleet's read-outs sum or report over its scopes | [`FleetBuilder::per_scope`], [`FleetBuilder::scope_key`] (what names a scope), [`FleetBuilder::max_scopes`] |
+//! | token pacing | on, dormant: it limits nothing until a token limit is stated as nearly spent (a tenth or less left) or a `429` names one; then admission against a bucket per stated limit, in arrival order ([Pacing by tokens](#pacing-by-tokens)) | [`FleetBuilder::token_pacing`] with a [`TokenPacingConfig`], or `None` to turn it off |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -251,6 +320,13 @@ let layer = RetryLayer::new().fleet(fleet);
 //! |---|---|---|---|
 //! | Anthropic | `anthropic-ratelimit-requests-limit` | `anthropic-ratelimit-requests-remaining` | `anthropic-ratelimit-requests-reset`: an RFC 3339 instant, `2026-01-01T00:00:10Z` |
 //! | OpenAI | `x-ratelimit-limit-requests` | `x-ratelimit-remaining-requests` | `x-ratelimit-reset-requests`: a duration, `1s`, `6m0s`, `547ms`, `2m52.8s` |
+//!
+//! Token limits, read by the [token pacing](#pacing-by-tokens):
+//!
+//! | provider | limit | remaining | reset |
+//! |---|---|---|---|
+//! | Anthropic | `anthropic-ratelimit-{input-tokens,output-tokens,tokens}-limit` | `…-remaining` | `…-reset`: an RFC 3339 instant |
+//! | OpenAI | `x-ratelimit-limit-tokens` | `x-ratelimit-remaining-tokens` | `x-ratelimit-reset-tokens`: a duration, `6m0s`, `1.5s`, `120ms` |
 //!
 //! A value longer than 64 bytes, malformed, negative, overflowing, or a reset more than a day
 //! away counts as absent.
