@@ -172,6 +172,9 @@ pub(crate) struct TokenArg {
     pub(crate) refill: f64,
     pub(crate) amount: f64,
     pub(crate) start: f64,
+    /// What the server last said is left, refilled to now, when it said so since the last
+    /// booking: the store's bucket is lowered to it, as this process's is.
+    pub(crate) floor: Option<f64>,
 }
 
 /// A booking's parts, by kind (`None`: the kind is not paced).
@@ -399,6 +402,8 @@ struct State {
     /// The buckets of the kinds awake.
     buckets: [Option<Bucket>; 3],
     woken_by: Option<TokenWake>,
+    /// What the server last said is left, and when, not yet told to the store.
+    told: [Option<(f64, Instant)>; 3],
     next_ticket: u64,
     /// Head-of-line order: only the first may take tokens.
     line: VecDeque<Waiter>,
@@ -431,6 +436,7 @@ impl TokenPacer {
                 stated: [None; 3],
                 buckets: [None; 3],
                 woken_by: None,
+                told: [None; 3],
                 next_ticket: 0,
                 line: VecDeque::new(),
             }),
@@ -480,6 +486,7 @@ impl TokenPacer {
                 // admitted that it has not counted yet. The lower of the two.
                 if let Some(left) = w.remaining {
                     b.level = b.level.min(left as f64);
+                    s.told[k] = Some((left as f64, now));
                 }
             }
         }
@@ -637,9 +644,14 @@ impl TokenPacer {
         let now = Instant::now();
         let mut s = self.lock();
         let mut args = [None; 3];
+        let State { buckets, told, .. } = &mut *s;
         for kind in TokenKind::ALL {
-            if let Some(b) = &mut s.buckets[kind.index()] {
+            if let Some(b) = &mut buckets[kind.index()] {
                 b.refill_to(now);
+                let floor = told[kind.index()].take().map(|(left, at)| {
+                    let since = now.saturating_duration_since(at).as_secs_f64();
+                    (left + since * b.refill).min(b.capacity)
+                });
                 let amount = match give {
                     None => b.need(cost.of(kind)),
                     Some(usage) => b.need(cost.of(kind)) - usage.cost(cost).of(kind) as f64,
@@ -649,6 +661,7 @@ impl TokenPacer {
                     refill: b.refill,
                     amount,
                     start: b.level,
+                    floor,
                 });
             }
         }

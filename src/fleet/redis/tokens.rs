@@ -90,8 +90,9 @@ impl Link {
                         .arg(a.cap)
                         .arg(a.refill / 1e3)
                         .arg(a.amount)
-                        .arg(a.start),
-                    None => inv.arg(0).arg(0).arg(0).arg(0),
+                        .arg(a.start)
+                        .arg(a.floor.unwrap_or(-1.0)),
+                    None => inv.arg(0).arg(0).arg(0).arg(0).arg(-1),
                 };
             }
             let call = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
