@@ -648,7 +648,13 @@ impl TokenPacer {
         for kind in TokenKind::ALL {
             if let Some(b) = &mut buckets[kind.index()] {
                 b.refill_to(now);
-                let floor = told[kind.index()].take().map(|(left, at)| {
+                // Told with a booking, not with a give-back, which goes in the background
+                // and may reach the store after the next booking.
+                let told = match give {
+                    None => told[kind.index()].take(),
+                    Some(_) => None,
+                };
+                let floor = told.map(|(left, at)| {
                     let since = now.saturating_duration_since(at).as_secs_f64();
                     (left + since * b.refill).min(b.capacity)
                 });

@@ -1487,18 +1487,24 @@ fn token_fleet(redis: &RedisServer) -> Fleet {
         .build()
 }
 
+/// A Messages body whose content the mock counts as `chars / 4` input tokens.
+fn token_body(chars: usize) -> String {
+    format!(
+        r#"{{"model":"claude-test","max_tokens":16,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "a".repeat(chars)
+    )
+}
+
 /// A request whose message the mock counts as `chars / 4` input tokens.
 fn token_request(
     server: &MockServer,
     chars: usize,
 ) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    let body = format!(
-        r#"{{"model":"claude-test","max_tokens":16,"messages":[{{"role":"user","content":"{}"}}]}}"#,
-        "a".repeat(chars)
-    );
     http::Request::post(server.url("/v1/messages"))
         .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .body(http_body_util::Full::new(bytes::Bytes::from(token_body(
+            chars,
+        ))))
         .unwrap()
 }
 
@@ -1559,4 +1565,53 @@ async fn two_fleets_on_one_redis_take_their_tokens_from_one_bucket() {
         .map(|b| b.level)
         .fold(f64::INFINITY, f64::min);
     assert!(lowest < 10_000.0, "{lowest}");
+}
+
+/// Redis counts only the fleet's bookings; the server counts every client of the limit. A
+/// client outside the fleet spends most of the bucket: the next booking carries what the
+/// server last said was left, the shared bucket is lowered to it, and the fleet's two
+/// requests of 3,000 tokens go one after the other, the second when its tokens are in,
+/// instead of both at once into a `429`.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn the_shared_bucket_is_lowered_to_what_the_server_says_is_left() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(Script::new().capacity(
+        tower_llm_retry::mock::Capacity::input_tokens_per_minute(60_000),
+    ))
+    .await
+    .unwrap();
+    let fleet = token_fleet(&redis);
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy());
+    let small = |svc: &Retry<HttpClient>| svc.clone().oneshot(token_request(&server, 1_000));
+    // Awake from the first answer; the second books in Redis.
+    for _ in 0..2 {
+        drop(body_bytes(small(&svc).await.unwrap()).await);
+    }
+    // Another client of the same limit spends 56,000 tokens: about 3,500 are left.
+    let outside = http::Request::post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(tower_llm_retry::ReplayBody::new(token_body(224_000)))
+        .unwrap();
+    let outside = http_client().request(outside).await.unwrap();
+    assert_eq!(outside.status(), StatusCode::OK);
+    // The fleet's next answer says so.
+    drop(body_bytes(small(&svc).await.unwrap()).await);
+    let start = Instant::now();
+    let (a, b) = tokio::join!(
+        svc.clone().oneshot(token_request(&server, 12_000)),
+        svc.clone().oneshot(token_request(&server, 12_000)),
+    );
+    let mut waited = Vec::new();
+    for res in [a.unwrap(), b.unwrap()] {
+        assert_eq!(res.status(), StatusCode::OK);
+        let trail = res.extensions().get::<RetryTrail>().cloned();
+        assert_eq!(trail.as_ref().map_or(0, |t| t.retries()), 0, "{trail:?}");
+        waited.extend(trail.and_then(|t| t.token_wait()));
+    }
+    assert_eq!(server.request_count(), 6);
+    let longest = waited.iter().max().copied().unwrap_or_default();
+    assert!(longest >= Duration::from_secs(2), "{waited:?}");
+    assert!(start.elapsed() < Duration::from_secs(5));
 }
