@@ -119,8 +119,12 @@
 //! Across processes (`fleet-redis`), the buckets of a scope are one in Redis: an attempt
 //! books its tokens with one script on Redis's clock (a GCRA weighted by the tokens, so the
 //! bookings keep their arrival order) and sleeps locally until they are in hand; the usage
-//! gives back in the background. A booking Redis does not answer within its deadline takes
-//! this process's bucket instead. Each process wakes on its own answers.
+//! gives back in the background. Redis counts only the fleet's bookings, the server every
+//! client of the limit: a booking carries what the server last said is left (refilled to
+//! now), and the shared bucket is lowered to it, as each process lowers its own. A booking
+//! Redis does not answer within its deadline takes this process's bucket instead. Each
+//! process wakes on its own answers. Key: `…:tokens` (a hash: each kind's theoretical
+//! arrival time on Redis's clock).
 //!
 //! # Sharing
 //!
