@@ -291,3 +291,47 @@ async fn a_large_request_is_not_starved_by_small_ones() {
     assert!(trails.iter().all(|t| t.token_wait().is_some()));
     assert_eq!(fleet.token_pacing().unwrap().waiting, 0);
 }
+
+/// A stream settles its charge from its events: the input from its first (`message_start`),
+/// the output reserved from `max_tokens` given back but for what its last
+/// (`message_delta`) reports, once the stream was read to its end.
+#[tokio::test(start_paused = true)]
+async fn a_stream_settles_input_and_output_from_its_first_and_last_events() {
+    let stating = |reply: Reply| {
+        reply
+            .header("anthropic-ratelimit-input-tokens-limit", "60000")
+            .header("anthropic-ratelimit-input-tokens-remaining", "59000")
+            .header("anthropic-ratelimit-output-tokens-limit", "8000")
+            .header("anthropic-ratelimit-output-tokens-remaining", "8000")
+    };
+    let events = tower_llm_retry::mock::sse::anthropic_message(&["Hel", "lo"]);
+    let server = MockServer::start(
+        Script::new()
+            .then(stating(Reply::success()))
+            .otherwise(stating(Reply::sse(events))),
+    )
+    .await
+    .unwrap();
+    let fleet = fleet(TokenPacingConfig::new().dormant(false));
+    let svc = ServiceBuilder::new()
+        .layer(RetryLayer::new().policy(policy()).fleet(fleet.clone()))
+        .service(http_client());
+    let b = body(4_000, 0);
+    let res = svc.clone().oneshot(request(&server, &b)).await.unwrap();
+    drop(body_bytes(res).await);
+    let output_level = |f: &Fleet| {
+        f.token_pacing()
+            .and_then(|t| t.bucket(TokenKind::Output))
+            .map(|b| b.level)
+    };
+    assert_eq!(input_level(&fleet), Some(59_000.0));
+    assert_eq!(output_level(&fleet), Some(8_000.0));
+    // Charged: the estimate of input, 16 (`max_tokens`) of output.
+    let res = svc.clone().oneshot(request(&server, &b)).await.unwrap();
+    assert_eq!(input_level(&fleet), Some(59_000.0 - estimate(&b)));
+    assert_eq!(output_level(&fleet), Some(8_000.0 - 16.0));
+    drop(body_bytes(res).await);
+    // The stream said 10 in and 2 out.
+    assert_eq!(input_level(&fleet), Some(59_000.0 - 10.0));
+    assert_eq!(output_level(&fleet), Some(8_000.0 - 2.0));
+}
