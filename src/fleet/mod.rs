@@ -87,7 +87,9 @@
 //!   behind it, though the bucket holds enough for each of them long before it holds enough
 //!   for it. The cost: while a large request waits, the small ones wait behind it, at most
 //!   the large one's refill time. Across processes the order is that of the bookings in
-//!   Redis, the same rule.
+//!   Redis, the same rule. A head that does not take its tokens (a future kept alive but no
+//!   longer polled) does not hold the line: 100 ms after they are in hand, the one right
+//!   behind it passes it over, and it comes back right behind that one.
 //! - **A request larger than the whole limit** (its estimate above the bucket) is not held
 //!   forever and not refused on an estimate: it waits for a full bucket, takes all of it,
 //!   and goes alone. The server then serves it (the estimate was high: the usage settles the

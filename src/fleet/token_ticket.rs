@@ -84,14 +84,17 @@ impl TokenTicket {
                     return Poll::Ready(Err(self.refuse(Some(at - now), left)));
                 }
                 Admit::Wait(at) => at,
-                Admit::Queued(wait) if joining && wait > left => {
+                Admit::Queued { wait, .. } if joining && wait > left => {
                     return Poll::Ready(Err(self.refuse(Some(wait), left)));
                 }
-                Admit::Queued(_) if left.is_zero() => {
+                Admit::Queued { .. } if left.is_zero() => {
                     return Poll::Ready(Err(self.refuse(None, left)));
                 }
-                // Woken when it reaches the head; the bound otherwise.
-                Admit::Queued(_) => self.give_up_at,
+                // Woken when the line moves; right behind the head, it looks again when the
+                // head should have taken its tokens; its bound otherwise.
+                Admit::Queued { check, .. } => {
+                    check.map_or(self.give_up_at, |c| c.min(self.give_up_at))
+                }
             };
             let sleep = match &mut self.sleep {
                 Some(sleep) => {

@@ -394,7 +394,13 @@ struct Waiter {
     ticket: u64,
     cost: Cost,
     waker: Option<Waker>,
+    /// At the head: when its tokens are (or were) in hand, as last reckoned.
+    due: Option<Instant>,
 }
+
+/// How long after its tokens are in hand a head that has not taken them is passed over by
+/// the one behind it (as the request pacing's line does).
+const PASS_OVER: Duration = Duration::from_millis(100);
 
 struct State {
     /// The limits stated so far, by kind.
@@ -424,8 +430,21 @@ pub(crate) enum Admit {
     Go,
     /// At the head: the tokens are in hand at this instant.
     Wait(Instant),
-    /// Behind others: the expected wait, judged from the tokens of those ahead.
-    Queued(Duration),
+    /// Behind others: the expected wait, judged from the tokens of those ahead, and, right
+    /// behind the head, when to look again whether the head took its tokens.
+    Queued {
+        wait: Duration,
+        check: Option<Instant>,
+    },
+}
+
+/// Wakes the head and the one right behind it: the line moved.
+fn wake_front(line: &mut VecDeque<Waiter>) {
+    for w in line.iter_mut().take(2) {
+        if let Some(waker) = w.waker.take() {
+            waker.wake();
+        }
+    }
 }
 
 impl TokenPacer {
@@ -552,6 +571,7 @@ impl TokenPacer {
             ticket,
             cost,
             waker: None,
+            due: None,
         });
         ticket
     }
@@ -566,6 +586,26 @@ impl TokenPacer {
         };
         for b in buckets.iter_mut().flatten() {
             b.refill_to(now);
+        }
+        // Right behind a head that has not taken its tokens, in hand for a while (a future
+        // kept alive but no longer polled): it passes the head over, which comes back right
+        // behind it. The others look again when the one ahead of them moves.
+        let mut pos = pos;
+        let mut check = None;
+        if pos == 1 {
+            let head_wait = wait_for(buckets, line[0].cost);
+            let mut due = *line[0].due.get_or_insert(now + head_wait);
+            if !head_wait.is_zero() {
+                // Its tokens are not in hand (the level fell since it looked): not late.
+                due = due.max(now + head_wait);
+                line[0].due = Some(due);
+            }
+            if head_wait.is_zero() && now >= due + PASS_OVER {
+                line.swap(0, 1);
+                pos = 0;
+            } else {
+                check = Some(due + PASS_OVER);
+            }
         }
         // Behind others: wait to be woken; the expected wait is the time the tokens of
         // everyone ahead, and its own, take to come.
@@ -584,10 +624,11 @@ impl TokenPacer {
                 .max()
                 .unwrap_or(Duration::ZERO);
             line[pos].waker = Some(waker.clone());
-            return Admit::Queued(wait);
+            return Admit::Queued { wait, check };
         }
         let cost = line[0].cost;
         let wait = wait_for(buckets, cost);
+        line[0].due = Some(now + wait);
         if !wait.is_zero() {
             line[0].waker = Some(waker.clone());
             return Admit::Wait(now + wait);
@@ -598,9 +639,7 @@ impl TokenPacer {
             }
         }
         line.pop_front();
-        if let Some(w) = line.front_mut().and_then(|w| w.waker.take()) {
-            w.wake();
-        }
+        wake_front(line);
         Admit::Go
     }
 
@@ -611,10 +650,8 @@ impl TokenPacer {
             return;
         };
         s.line.remove(pos);
-        if pos == 0 {
-            if let Some(w) = s.line.front_mut().and_then(|w| w.waker.take()) {
-                w.wake();
-            }
+        if pos <= 1 {
+            wake_front(&mut s.line);
         }
     }
 
@@ -987,10 +1024,10 @@ mod tests {
             p.poll_admit(big, w),
             Admit::Wait(start + Duration::from_secs(30))
         );
-        assert!(matches!(p.poll_admit(small, w), Admit::Queued(_)));
+        assert!(matches!(p.poll_admit(small, w), Admit::Queued { .. }));
         tokio::time::advance(Duration::from_secs(1)).await;
         // 100 tokens in hand: enough for the small one, but it stays behind.
-        assert!(matches!(p.poll_admit(small, w), Admit::Queued(_)));
+        assert!(matches!(p.poll_admit(small, w), Admit::Queued { .. }));
         tokio::time::advance(Duration::from_secs(29)).await;
         assert_eq!(p.poll_admit(big, w), Admit::Go);
         assert_eq!(
@@ -1025,5 +1062,47 @@ mod tests {
         );
         assert_eq!(p.stats().bucket(TokenKind::Input).unwrap().level, 2000.0);
         let _ = start;
+    }
+
+    /// A head that is no longer polled (a future kept alive, not driven) does not hold the
+    /// line: 100 ms after its tokens are in hand the one behind it passes it over, and the
+    /// head comes back right behind it.
+    #[tokio::test(start_paused = true)]
+    async fn a_head_that_is_not_polled_is_passed_over() {
+        let p = TokenPacer::new(TokenPacingConfig::new());
+        p.observe(
+            &headers(&[
+                ("anthropic-ratelimit-input-tokens-limit", "6000"),
+                ("anthropic-ratelimit-input-tokens-remaining", "0"),
+            ]),
+            true,
+            None,
+        );
+        let w = Waker::noop();
+        let cost = |input| Cost {
+            input,
+            output: 0,
+            shared: false,
+        };
+        let stuck = p.join(cost(1000));
+        let next = p.join(cost(100));
+        let start = Instant::now();
+        assert_eq!(
+            p.poll_admit(stuck, w),
+            Admit::Wait(start + Duration::from_secs(10))
+        );
+        let check = start + Duration::from_secs(10) + PASS_OVER;
+        assert!(matches!(
+            p.poll_admit(next, w),
+            Admit::Queued { check: Some(c), .. } if c == check
+        ));
+        // The head's tokens are in hand; it is not polled.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(matches!(p.poll_admit(next, w), Admit::Queued { .. }));
+        tokio::time::advance(PASS_OVER).await;
+        assert_eq!(p.poll_admit(next, w), Admit::Go);
+        // The head, polled again, is the head again, and waits for what it needs now.
+        assert_eq!(p.stats().waiting, 1);
+        assert!(matches!(p.poll_admit(stuck, w), Admit::Wait(_)));
     }
 }
