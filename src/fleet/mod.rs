@@ -1019,21 +1019,13 @@ impl Fleet {
         named: Option<TokenKind>,
     ) {
         let ceiling = limits.retry_after_max;
-        if let Some(tokens) = self.tokens() {
-            let now = || crate::classify::headers::server_now(&head.headers);
-            let headers = crate::provider::ratelimit::TokenHeaders::read(&head.headers, now);
-            tokens.observe(
-                &headers,
-                head.status == StatusCode::TOO_MANY_REQUESTS,
-                named,
-            );
-        }
         // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
         // do) is not taken as a wait by the fleet either.
         let honoured = |w: &Duration| *w <= ceiling || !limits.ignores_above_ceiling;
         let retry_after = retry_after.filter(honoured);
         // Read only for what uses them: the pacing, and a gate that reads rate-limit headers.
         let counts = match self.pacer().is_some()
+            || self.tokens().is_some()
             || self
                 .gate()
                 .is_some_and(|g| g.config.reads_rate_limit_headers())
@@ -1041,6 +1033,16 @@ impl Fleet {
             true => crate::provider::ratelimit::RequestCounts::read(&head.headers),
             false => crate::provider::ratelimit::RequestCounts::default(),
         };
+        // The token pacing: the token windows found in the same pass.
+        if let Some(tokens) = self.tokens() {
+            let now = || crate::classify::headers::server_now(&head.headers);
+            let headers = crate::provider::ratelimit::TokenHeaders::of(&counts, now);
+            tokens.observe(
+                &headers,
+                head.status == StatusCode::TOO_MANY_REQUESTS,
+                named,
+            );
+        }
         // Pacing: a 429 that shows a limit the scope's rate meets wakes a dormant pacing
         // (random 429s and overloads do not: see the module docs); a stated request limit
         // caps the rate. The limit alone does not wake it (the providers

@@ -403,8 +403,6 @@ struct Waiter {
 const PASS_OVER: Duration = Duration::from_millis(100);
 
 struct State {
-    /// The limits stated so far, by kind.
-    stated: [Option<u64>; 3],
     /// The buckets of the kinds awake.
     buckets: [Option<Bucket>; 3],
     woken_by: Option<TokenWake>,
@@ -418,6 +416,10 @@ struct State {
 /// The token pacing of one fleet state.
 pub(crate) struct TokenPacer {
     config: TokenPacingConfig,
+    /// Whether a bucket is awake: read on every request without the lock.
+    awake: std::sync::atomic::AtomicBool,
+    /// The limits stated so far, by kind (0: none): kept on every answer without the lock.
+    stated: [AtomicU64; 3],
     state: Mutex<State>,
     waited: AtomicU64,
     refused: AtomicU64,
@@ -451,8 +453,9 @@ impl TokenPacer {
     pub(crate) fn new(config: TokenPacingConfig) -> Self {
         TokenPacer {
             config,
+            awake: std::sync::atomic::AtomicBool::new(false),
+            stated: Default::default(),
             state: Mutex::new(State {
-                stated: [None; 3],
                 buckets: [None; 3],
                 woken_by: None,
                 told: [None; 3],
@@ -474,7 +477,11 @@ impl TokenPacer {
 
     /// Whether any bucket is awake.
     pub(crate) fn is_awake(&self) -> bool {
-        self.lock().buckets.iter().any(Option::is_some)
+        self.awake.load(Ordering::Acquire)
+    }
+
+    fn stated(&self, kind: TokenKind) -> Option<u64> {
+        Some(self.stated[kind.index()].load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     pub(crate) fn woken_by(&self) -> Option<TokenWake> {
@@ -484,15 +491,25 @@ impl TokenPacer {
     /// What an answer said: its token headers, and, for a `429`, the token limit it named
     /// (`named`: from its body's message). `refusal`: the answer is a `429`.
     pub(crate) fn observe(&self, headers: &TokenHeaders, refusal: bool, named: Option<TokenKind>) {
+        for kind in TokenKind::ALL {
+            if let Some(limit) = headers.window(kind).limit {
+                self.stated[kind.index()].store(limit, Ordering::Relaxed);
+            }
+        }
+        let low = TokenKind::ALL
+            .into_iter()
+            .find(|k| headers.window(*k).nearly_spent(LOW_REMAINING));
+        // Asleep, an answer that neither refuses nor says a limit is nearly spent only states
+        // limits: kept above, without the lock (the path of every success).
+        if !self.is_awake() && !refusal && low.is_none() && self.config.dormant {
+            return;
+        }
         let now = Instant::now();
         let period = self.config.period;
         let mut s = self.lock();
         for kind in TokenKind::ALL {
             let w = headers.window(kind);
             let k = kind.index();
-            if let Some(limit) = w.limit {
-                s.stated[k] = Some(limit);
-            }
             if let Some(b) = &mut s.buckets[k] {
                 b.refill_to(now);
                 if let Some(limit) = w.limit {
@@ -512,9 +529,6 @@ impl TokenPacer {
         // Evidence of a token limit met: a 429 whose headers read 0 or whose message names
         // tokens, or a window nearly spent; a 429 of the request limit is none.
         let refused = refusal.then(|| headers.exhausted().or(named)).flatten();
-        let low = TokenKind::ALL
-            .into_iter()
-            .find(|k| headers.window(*k).nearly_spent(LOW_REMAINING));
         let (wake, cause) = match (refused, low) {
             (Some(k), _) => (k, TokenWake::TokenRefusal),
             (None, Some(k)) => (k, TokenWake::NearlySpent),
@@ -525,17 +539,19 @@ impl TokenPacer {
             (None, None) => return,
         };
         // The kind named, if its limit is known; else every kind whose limit is.
-        let kinds: Vec<TokenKind> = match s.stated[wake.index()] {
+        let kinds: Vec<TokenKind> = match self.stated(wake) {
             Some(_) if self.config.dormant => vec![wake],
             _ => TokenKind::ALL
                 .into_iter()
-                .filter(|k| s.stated[k.index()].is_some())
+                .filter(|k| self.stated(*k).is_some())
                 .collect(),
         };
         let mut woke = false;
         for kind in kinds {
             let k = kind.index();
-            let Some(limit) = s.stated[k] else { continue };
+            let Some(limit) = self.stated(kind) else {
+                continue;
+            };
             let w = headers.window(kind);
             // What the server says is left; a refusal that does not say, nothing.
             let left = match (refused == Some(kind), w.remaining) {
@@ -551,6 +567,9 @@ impl TokenPacer {
                     woke = true;
                 }
             }
+        }
+        if woke {
+            self.awake.store(true, Ordering::Release);
         }
         if woke && s.woken_by.is_none() {
             s.woken_by = Some(cause);

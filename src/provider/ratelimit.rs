@@ -73,17 +73,33 @@ pub(crate) struct RequestCounts<'a> {
     openai_limit: Option<&'a HeaderValue>,
     anthropic_remaining: Option<&'a HeaderValue>,
     openai_remaining: Option<&'a HeaderValue>,
+    /// The token headers, found in the same pass: [provider (Anthropic, OpenAI)][kind][part
+    /// (limit, remaining, reset)], read by [`TokenHeaders::of`].
+    tokens: [[[Option<&'a HeaderValue>; 3]; 3]; 2],
 }
 
 impl<'a> RequestCounts<'a> {
     pub(crate) fn read(headers: &'a HeaderMap) -> Self {
         let mut counts = RequestCounts::default();
         for (name, value) in headers {
+            let t = &mut counts.tokens;
             let slot = match name.as_str() {
                 ANTHROPIC_REQUESTS_LIMIT => &mut counts.anthropic_limit,
                 OPENAI_REQUESTS_LIMIT => &mut counts.openai_limit,
                 ANTHROPIC_REQUESTS_REMAINING => &mut counts.anthropic_remaining,
                 OPENAI_REQUESTS_REMAINING => &mut counts.openai_remaining,
+                "anthropic-ratelimit-input-tokens-limit" => &mut t[0][0][0],
+                "anthropic-ratelimit-input-tokens-remaining" => &mut t[0][0][1],
+                "anthropic-ratelimit-input-tokens-reset" => &mut t[0][0][2],
+                "anthropic-ratelimit-output-tokens-limit" => &mut t[0][1][0],
+                "anthropic-ratelimit-output-tokens-remaining" => &mut t[0][1][1],
+                "anthropic-ratelimit-output-tokens-reset" => &mut t[0][1][2],
+                "anthropic-ratelimit-tokens-limit" => &mut t[0][2][0],
+                "anthropic-ratelimit-tokens-remaining" => &mut t[0][2][1],
+                "anthropic-ratelimit-tokens-reset" => &mut t[0][2][2],
+                "x-ratelimit-limit-tokens" => &mut t[1][2][0],
+                "x-ratelimit-remaining-tokens" => &mut t[1][2][1],
+                "x-ratelimit-reset-tokens" => &mut t[1][2][2],
                 _ => continue,
             };
             // The first value, as `HeaderMap::get` would give.
@@ -180,42 +196,16 @@ pub(crate) struct TokenHeaders {
 impl TokenHeaders {
     /// Reads the token headers; `now` gives the instant an Anthropic reset (RFC 3339) is
     /// read against (the server's `Date` where it sent one), asked only when one is present.
+    #[cfg(test)]
     pub(crate) fn read(headers: &HeaderMap, now: impl Fn() -> SystemTime) -> Self {
-        // The first value of each name, Anthropic's and OpenAI's apart: [provider][kind][part].
-        let mut raw: [[[Option<&str>; 3]; 3]; 2] = Default::default();
-        for (name, value) in headers {
-            let name = name.as_str();
-            let (provider, kind, part) =
-                if let Some(rest) = name.strip_prefix("anthropic-ratelimit-") {
-                    let (kind, part) = if let Some(p) = rest.strip_prefix("input-tokens-") {
-                        (TokenKind::Input, p)
-                    } else if let Some(p) = rest.strip_prefix("output-tokens-") {
-                        (TokenKind::Output, p)
-                    } else if let Some(p) = rest.strip_prefix("tokens-") {
-                        (TokenKind::Combined, p)
-                    } else {
-                        continue;
-                    };
-                    (0, kind, part)
-                } else if let Some(rest) = name.strip_prefix("x-ratelimit-") {
-                    let Some(part) = rest.strip_suffix("-tokens") else {
-                        continue;
-                    };
-                    (1, TokenKind::Combined, part)
-                } else {
-                    continue;
-                };
-            let part = match part {
-                "limit" => 0,
-                "remaining" => 1,
-                "reset" => 2,
-                _ => continue,
-            };
-            let slot = &mut raw[provider][kind.index()][part];
-            if slot.is_none() {
-                *slot = Some(value_str(value).unwrap_or(""));
-            }
-        }
+        Self::of(&RequestCounts::read(headers), now)
+    }
+
+    /// The token windows among the headers `counts` found (the first value of each name).
+    pub(crate) fn of(counts: &RequestCounts<'_>, now: impl Fn() -> SystemTime) -> Self {
+        let raw = counts
+            .tokens
+            .map(|kinds| kinds.map(|parts| parts.map(|v| v.map(|v| value_str(v).unwrap_or("")))));
         let mut found = TokenHeaders::default();
         for (k, w) in found.windows.iter_mut().enumerate() {
             let pick = |part: usize, parse: &dyn Fn(usize, &str) -> Option<u64>| {
