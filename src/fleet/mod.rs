@@ -875,6 +875,12 @@ impl Fleet {
         t.is_awake().then(|| t.woken_by()).flatten()
     }
 
+    /// Whether this state's token pacing is awake: one atomic load.
+    #[inline]
+    pub(crate) fn tokens_awake(&self) -> bool {
+        self.tokens().is_some_and(TokenPacer::is_awake)
+    }
+
     /// A place in the line for tokens, when the token pacing is awake: `cost` gives the
     /// request's cost (called only then). Bounded like a pacing ticket.
     pub(crate) fn token_ticket(
@@ -1033,15 +1039,13 @@ impl Fleet {
             true => crate::provider::ratelimit::RequestCounts::read(&head.headers),
             false => crate::provider::ratelimit::RequestCounts::default(),
         };
-        // The token pacing: the token windows found in the same pass.
-        if let Some(tokens) = self.tokens() {
+        // The token pacing: the token windows found in the same pass (an answer that states
+        // none and refuses nothing tells it nothing).
+        let refusal = head.status == StatusCode::TOO_MANY_REQUESTS;
+        if let Some(tokens) = self.tokens().filter(|_| refusal || counts.states_tokens()) {
             let now = || crate::classify::headers::server_now(&head.headers);
             let headers = crate::provider::ratelimit::TokenHeaders::of(&counts, now);
-            tokens.observe(
-                &headers,
-                head.status == StatusCode::TOO_MANY_REQUESTS,
-                named,
-            );
+            tokens.observe(&headers, refusal, named);
         }
         // Pacing: a 429 that shows a limit the scope's rate meets wakes a dormant pacing
         // (random 429s and overloads do not: see the module docs); a stated request limit

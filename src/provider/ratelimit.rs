@@ -125,6 +125,11 @@ impl<'a> RequestCounts<'a> {
             .find_map(|v| v.and_then(value_str).and_then(parse_count))
     }
 
+    /// Whether any token header is present, well formed or not.
+    pub(crate) fn states_tokens(&self) -> bool {
+        self.tokens.iter().flatten().flatten().any(Option::is_some)
+    }
+
     /// Whether either provider's remaining-count header is present, well formed or not.
     pub(crate) fn states_remaining(&self) -> bool {
         self.anthropic_remaining.is_some() || self.openai_remaining.is_some()

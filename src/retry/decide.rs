@@ -60,8 +60,9 @@ pub(super) struct Ctx<S, C> {
     // Fleet: the state of this request's scope, when the fleet keeps one per scope.
     pub(super) scoped: Option<Fleet>,
     // Fleet: the request's cost in tokens, once the token pacing asked for it, and what the
-    // attempt about to start or in flight took.
-    pub(super) tokens: Tokens,
+    // attempt about to start or in flight took. Boxed, and made only once the token pacing
+    // is awake: the path every request takes carries one word.
+    pub(super) tokens: Option<Box<Tokens>>,
 }
 
 /// Fleet: what a request takes from the token buckets.
@@ -280,7 +281,10 @@ where
                 // Sent once and never retried: nothing to judge, but the pacing learns too.
                 self.pacing_feedback(&c);
                 let body = reply.into_body(self.policy().get_idle_timeout(), None);
-                let body = self.settle_tokens(status, body);
+                let body = match self.tokens.as_mut().and_then(|t| t.charged.take()) {
+                    Some(charged) => self.settle_tokens(charged, status, body),
+                    None => body,
+                };
                 return Next::Respond(Response::from_parts(head, body));
             }
         }
@@ -290,7 +294,7 @@ where
         let verdict = self.judge(&c, Some(status), error_ref, false, &span, remark);
         match verdict {
             Verdict::Retry(delay) => {
-                if let Some(charged) = self.tokens.charged.take() {
+                if let Some(charged) = self.tokens.as_mut().and_then(|t| t.charged.take()) {
                     self.refund_tokens(charged);
                 }
                 Next::Sleep(delay)
@@ -321,7 +325,10 @@ where
                         _ => {}
                     }
                 }
-                let body = self.settle_tokens(status, body);
+                let body = match self.tokens.as_mut().and_then(|t| t.charged.take()) {
+                    Some(charged) => self.settle_tokens(charged, status, body),
+                    None => body,
+                };
                 let mut res = self.respond(head, body, &verdict);
                 if let Some(reason) = commit {
                     res.extensions_mut()
@@ -359,7 +366,9 @@ where
         match self.judge(&c, None, Some(&*e), not_sent, &span, remark) {
             Verdict::Retry(delay) => {
                 // A transport failure may have reached the server: its tokens stay taken.
-                self.tokens.charged = None;
+                if let Some(t) = self.tokens.as_mut() {
+                    t.charged = None;
+                }
                 Next::Sleep(delay)
             }
             Verdict::Cancel => Next::Fail(self.cancelled().with_source(e)),
@@ -550,10 +559,12 @@ where
     /// Fleet: the tokens the attempt took. A success settles them with the usage its body
     /// reports as the caller reads it; any other answer gives them back (the providers do
     /// not count a refused request against the limit).
-    fn settle_tokens<R>(&mut self, status: http::StatusCode, body: RetryBody<R>) -> RetryBody<R> {
-        let Some(charged) = self.tokens.charged.take() else {
-            return body;
-        };
+    fn settle_tokens<R>(
+        &mut self,
+        charged: Cost,
+        status: http::StatusCode,
+        body: RetryBody<R>,
+    ) -> RetryBody<R> {
         if status.is_success() {
             return body.tap_usage(UsageTap::new(self.fleet().clone(), charged));
         }

@@ -215,7 +215,7 @@ where
                 resends: 0,
                 attempt_head_timeout: None,
                 scoped,
-                tokens: Default::default(),
+                tokens: None,
             },
         }
     }
@@ -453,7 +453,8 @@ where
                     }
                     match ready!(ticket.poll_turn(cx)) {
                         Ok(waited) => {
-                            ctx.tokens.charged = Some(ticket.cost());
+                            ctx.tokens.get_or_insert_with(Default::default).charged =
+                                Some(ticket.cost());
                             if !waited.is_zero() {
                                 ctx.trail.add_token_wait(waited);
                             }
@@ -703,9 +704,10 @@ where
             return Ok(None);
         }
         // Tokens first, then the request's turn: a turn is not spent waiting for tokens.
-        if self.tokens.charged.is_none() {
-            let fleet = self.scoped.as_ref().unwrap_or(&self.config.fleet);
-            let (held, cost) = (&self.held, &mut self.tokens.cost);
+        let fleet = self.scoped.as_ref().unwrap_or(&self.config.fleet);
+        if fleet.tokens_awake() && self.tokens.as_ref().is_none_or(|t| t.charged.is_none()) {
+            let tokens = self.tokens.get_or_insert_with(Default::default);
+            let (held, cost) = (&self.held, &mut tokens.cost);
             let limits = match &self.policy_override {
                 Some(p) => p.fleet_limits(),
                 None => self.config.policy.fleet_limits(),
