@@ -33,6 +33,25 @@
 //!   `429`, half `529`, with `retry-after: 1` or without. Only `default` is run, against the
 //!   same run with pacing off; printed beside `storm.json`. `STORM_ONLY=noise` runs these
 //!   rows alone.
+//! - **T1**, tokens: an input-token limit as Anthropic describes it (36 M tokens a minute,
+//!   refilled continuously at 600 k a second, starting full; a request takes the tokens of
+//!   its messages; over what is left, `429` with `retry-after` = whole seconds until its
+//!   tokens are in, at least 1, and the message naming input tokens; every answer states the
+//!   limit and what is left, a success its usage). 200 clients, back to back, each prompt
+//!   drawn heavy-tailed: 90 % between 1k and 5k tokens, 10 % between 50k and 150k (mean
+//!   12.7k: the limit takes about 47 a second, the clients would send up to 100). 10
+//!   simulated minutes; goodput is input tokens served a second over the refill, counted from
+//!   the 120th second (the full bucket drains in about a minute). Beside the table, the waits
+//!   (time to success less the success's own 2 s) of the requests of 100k tokens or more
+//!   against those under 5k. Policies: `default_token_pacing` (`RetryLayer::new()`: the
+//!   token pacing and the request pacing, both dormant), `request_pacing` (the same, token
+//!   pacing off: the request pacing alone), `official_sdk`, `tower_retry`.
+//!   `STORM_ONLY=tokens` runs these rows alone.
+//! - **T2**, with `--features fleet-redis`: T1 in real time, ten times faster (latencies,
+//!   the refill and the minute of the limits scaled; the clients' own backoffs not), 60 s,
+//!   its 200 clients split over 4 fleets of `default_token_pacing`: separate (`T2 4 fleets`,
+//!   as 4 processes without coordination) or sharing one `redis-server` (`T2 4 fleets, one
+//!   Redis`). Figures in T1's units.
 //!
 //! Besides the table, S1 and S2 report the peak after the first refusal: in S2 the first
 //! window admits everything, so until its quota runs out the fleet's demand (1,000 clients
@@ -94,6 +113,11 @@ use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingConfig};
 use tower_llm_retry::retry::{AttemptContext, Random, Retry};
 use tower_llm_retry::{ReplayBody, RetryLayer, RetryPolicy};
 
+#[cfg(feature = "fleet-redis")]
+#[path = "../tests/common/redis.rs"]
+#[allow(dead_code)]
+mod redis_server;
+
 const CLIENTS: usize = 1_000;
 const SUCCESS_LATENCY: Duration = Duration::from_secs(2);
 const ERROR_LATENCY: Duration = Duration::from_millis(200);
@@ -103,6 +127,43 @@ const S6_PERIOD: Duration = Duration::from_secs(10);
 const S5_FAILURES: f64 = 0.01;
 const S4_OUTAGE: (u64, u64) = (60, 120);
 const SEED: u64 = 42;
+/// T1: the clients.
+const T_CLIENTS: usize = 200;
+/// T1: the input-token limit, per minute (Anthropic's ITPM), and its refill a second.
+const T_LIMIT: f64 = 36_000_000.0;
+const T_REFILL: f64 = T_LIMIT / 60.0;
+/// T1: goodput is counted from here, once the bucket that starts full has drained.
+const T_WARMUP: u64 = 120;
+/// T2: real time over the model's time.
+const T2_SCALE: f64 = 0.1;
+/// T1: the mean prompt (0.9 × 3,000 + 0.1 × 100,000 tokens).
+const T_MEAN_TOKENS: f64 = 12_700.0;
+/// T1: the requests counted as the largest.
+const T_LARGE: u64 = 100_000;
+
+/// A request's input tokens, as the simulated server counts them.
+#[derive(Debug, Clone, Copy)]
+struct Tokens(u64);
+
+/// T1's prompt sizes: 90 % between 1k and 5k tokens, 10 % between 50k and 150k.
+fn prompt_tokens(rng: &mut StdRng) -> u64 {
+    if rng.random::<f64>() < 0.9 {
+        rng.random_range(1_000..=5_000)
+    } else {
+        rng.random_range(50_000..=150_000)
+    }
+}
+
+/// A Messages request whose content the server counts as `tokens` (4 characters a token).
+fn token_body(tokens: u64) -> Bytes {
+    let mut s = String::with_capacity(tokens as usize * 4 + 100);
+    s.push_str(
+        r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[{"role":"user","content":""#,
+    );
+    s.extend(std::iter::repeat_n('a', tokens as usize * 4));
+    s.push_str(r#""}]}"#);
+    Bytes::from(s)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Scenario {
@@ -117,6 +178,12 @@ enum Scenario {
     /// Noise: S5's load and capacity, a share (in %) of the answers refused at random, half
     /// `429`, half `529`, with `retry-after: 1` or without. Reported beside `storm.json`.
     Noise(u8, bool),
+    /// T1: an input-token bucket as Anthropic describes it; 200 clients, heavy-tailed prompts.
+    T1,
+    /// T2: T1 in real time, ten times faster, the clients split over 4 fleets: separate
+    /// (false) or sharing one Redis (true). Needs `--features fleet-redis`.
+    #[cfg_attr(not(feature = "fleet-redis"), allow(dead_code))]
+    T2(bool),
 }
 
 impl Scenario {
@@ -143,13 +210,43 @@ impl Scenario {
             Scenario::Noise(8, true) => "noise 8 % + retry-after",
             Scenario::Noise(15, true) => "noise 15 % + retry-after",
             Scenario::Noise(..) => "noise",
+            Scenario::T1 => "T1",
+            Scenario::T2(false) => "T2 4 fleets",
+            Scenario::T2(true) => "T2 4 fleets, one Redis",
         }
+    }
+
+    /// The clients: 200 in the token scenarios.
+    fn clients(self) -> usize {
+        match self {
+            Scenario::T1 | Scenario::T2(_) => T_CLIENTS,
+            _ => CLIENTS,
+        }
+    }
+
+    /// The token scenarios.
+    fn is_tokens(self) -> bool {
+        matches!(self, Scenario::T1 | Scenario::T2(_))
+    }
+
+    /// Real time over simulated time: T2 runs ten times faster than T1's model.
+    fn scale(self) -> f64 {
+        match self {
+            Scenario::T2(_) => T2_SCALE,
+            _ => 1.0,
+        }
+    }
+
+    /// The seconds (of the run's clock) before goodput is counted.
+    fn warmup(self) -> u64 {
+        (T_WARMUP as f64 * self.scale()) as u64
     }
 
     fn seconds(self) -> u64 {
         match self {
-            Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 600,
+            Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 | Scenario::T1 => 600,
             Scenario::S4 | Scenario::S5 | Scenario::Noise(..) => 240,
+            Scenario::T2(_) => (600.0 * T2_SCALE) as u64,
         }
     }
 
@@ -160,6 +257,8 @@ impl Scenario {
             Scenario::S1 | Scenario::S2 | Scenario::S2Headers | Scenario::S6 => 100.0,
             Scenario::S4 => 500.0,
             Scenario::S5 | Scenario::Noise(..) => 1_000.0,
+            // Tokens a second.
+            Scenario::T1 | Scenario::T2(_) => T_REFILL / self.scale(),
         }
     }
 
@@ -186,6 +285,10 @@ enum Policy {
     /// The default with pacing off: what the noise rows are measured against. Not one of
     /// [`Policy::ALL`].
     DefaultNoPacing,
+    /// The token rows: the default (request pacing and token pacing, both dormant).
+    TokenPacing,
+    /// The token rows: today's request pacing alone (the default, token pacing off).
+    RequestPacing,
 }
 
 impl Policy {
@@ -209,6 +312,8 @@ impl Policy {
             Policy::Default => "default",
             Policy::DefaultGateBudget => "default_gate_budget",
             Policy::DefaultNoPacing => "default_no_pacing",
+            Policy::TokenPacing => "default_token_pacing",
+            Policy::RequestPacing => "request_pacing",
         }
     }
 
@@ -222,6 +327,8 @@ impl Policy {
             Policy::Default => "#1f77b4",
             Policy::DefaultGateBudget => "#2ca02c",
             Policy::DefaultNoPacing => "#8c564b",
+            Policy::TokenPacing => "#e377c2",
+            Policy::RequestPacing => "#bcbd22",
         }
     }
 }
@@ -247,6 +354,11 @@ enum Limiter {
         share: f64,
         retry_after: Option<u64>,
     },
+    /// T1: an input-token bucket, refilled continuously, starting full.
+    InputTokens {
+        level: f64,
+        at: Instant,
+    },
 }
 
 /// What the server answers one attempt.
@@ -257,6 +369,10 @@ struct Reply {
     latency: Duration,
     /// S2 + headers: the limit, what remains of it, and the time to the reset.
     limits: Option<(u32, u32, Duration)>,
+    /// T1: the input-token limit and what is left, stated on every answer; the tokens
+    /// counted, reported as usage on a success (on a refusal: the message names input
+    /// tokens).
+    input_tokens: Option<(u64, u64, u64)>,
 }
 
 impl Reply {
@@ -266,6 +382,7 @@ impl Reply {
             retry_after: None,
             latency: SUCCESS_LATENCY,
             limits: None,
+            input_tokens: None,
         }
     }
 
@@ -275,6 +392,7 @@ impl Reply {
             retry_after,
             latency: ERROR_LATENCY,
             limits: None,
+            input_tokens: None,
         }
     }
 
@@ -296,6 +414,10 @@ struct Stats {
     latencies: Vec<f64>,
     logical: u64,
     succeeded: u64,
+    /// T1: the input tokens of the successes that ended after the warm-up.
+    ok_tokens: u64,
+    /// T1: each success's tokens and its wait (its latency less the success's own).
+    waits: Vec<(u64, f64)>,
 }
 
 struct Sim {
@@ -324,6 +446,10 @@ impl Sim {
                 share: f64::from(percent) / 100.0,
                 retry_after: retry_after.then_some(1),
             },
+            Scenario::T1 | Scenario::T2(_) => Limiter::InputTokens {
+                level: T_LIMIT,
+                at: start,
+            },
         };
         let secs = scenario.seconds() as usize + 1;
         Arc::new(Sim {
@@ -334,7 +460,7 @@ impl Sim {
                 attempts: vec![0; secs],
                 first_attempts: vec![0; secs],
                 successes: vec![0; secs],
-                per_client: vec![0; CLIENTS],
+                per_client: vec![0; scenario.clients()],
                 ..Stats::default()
             }),
         })
@@ -344,8 +470,8 @@ impl Sim {
         (at - self.start).as_secs() as usize
     }
 
-    /// Admits or refuses one attempt (`attempt` 0 is a first attempt), now.
-    fn decide(&self, attempt: u32) -> Reply {
+    /// Admits or refuses one attempt (`attempt` 0 is a first attempt) of `tokens`, now.
+    fn decide(&self, attempt: u32, tokens: u64) -> Reply {
         let now = Instant::now();
         let sec = self.second(now);
         {
@@ -361,7 +487,7 @@ impl Sim {
                 stats.outage_retries += 1;
             }
         }
-        let reply = self.limit(now);
+        let reply = self.limit(now, tokens);
         if !reply.is_success() {
             let mut stats = self.stats.lock().unwrap();
             stats.first_refusal.get_or_insert(sec);
@@ -371,9 +497,26 @@ impl Sim {
     }
 
     /// What the limiter says to an attempt arriving `now`.
-    fn limit(&self, now: Instant) -> Reply {
+    fn limit(&self, now: Instant, cost: u64) -> Reply {
         let mut limiter = self.limiter.lock().unwrap();
         match &mut *limiter {
+            Limiter::InputTokens { level, at } => {
+                let scale = self.scenario.scale();
+                let refill = T_REFILL / scale;
+                *level = (*level + (now - *at).as_secs_f64() * refill).min(T_LIMIT);
+                *at = now;
+                let cost_f = cost as f64;
+                let mut reply = if cost_f <= *level {
+                    *level -= cost_f;
+                    Reply::ok()
+                } else {
+                    let wait = ((cost_f - *level) / refill).ceil().max(1.0) as u64;
+                    Reply::refused(StatusCode::TOO_MANY_REQUESTS, Some(wait))
+                };
+                reply.latency = reply.latency.mul_f64(scale);
+                reply.input_tokens = Some((T_LIMIT as u64, level.max(0.0) as u64, cost));
+                reply
+            }
             Limiter::TokenBucket { tokens, at } => {
                 const RATE: f64 = 100.0;
                 const BURST: f64 = 100.0;
@@ -441,20 +584,30 @@ impl Sim {
     }
 
     /// One attempt: the decision now, the answer after its latency.
-    async fn exchange(&self, attempt: u32) -> Reply {
-        let reply = self.decide(attempt);
+    async fn exchange(&self, attempt: u32, tokens: u64) -> Reply {
+        let reply = self.decide(attempt, tokens);
         tokio::time::sleep(reply.latency).await;
         reply
     }
 
-    fn completed(&self, client: usize, started: Instant, ok: bool) {
+    fn completed(&self, client: usize, started: Instant, ok: bool, tokens: u64) {
         let now = Instant::now();
         let mut stats = self.stats.lock().unwrap();
         stats.logical += 1;
+        if ok && self.scenario.is_tokens() && self.second(now) as u64 >= self.scenario.warmup() {
+            stats.ok_tokens += tokens;
+            // In the model's seconds.
+            let scale = self.scenario.scale();
+            let own = SUCCESS_LATENCY.mul_f64(scale);
+            let wait = (now - started).saturating_sub(own).as_secs_f64() / scale;
+            stats.waits.push((tokens, wait));
+        }
         if ok {
             stats.succeeded += 1;
             stats.per_client[client] += 1;
-            stats.latencies.push((now - started).as_secs_f64());
+            // In the model's seconds (T2 runs faster).
+            let scale = self.scenario.scale();
+            stats.latencies.push((now - started).as_secs_f64() / scale);
             let sec = self.second(now);
             if let Some(n) = stats.successes.get_mut(sec) {
                 *n += 1;
@@ -494,7 +647,8 @@ impl Service<Request<ReplayBody>> for SimService {
             .map(|c| c.attempt - 1)
             .or_else(|| req.extensions().get::<TowerAttempt>().map(|a| a.0))
             .unwrap_or(0);
-        let reply = self.0.decide(attempt);
+        let tokens = req.extensions().get::<Tokens>().map_or(0, |t| t.0);
+        let reply = self.0.decide(attempt, tokens);
         SimFuture {
             sleep: Box::pin(tokio::time::sleep(reply.latency)),
             reply,
@@ -512,7 +666,28 @@ impl Future for SimFuture {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         std::task::ready!(self.sleep.as_mut().poll(cx));
-        let mut res = Response::new(Full::new(Bytes::new()));
+        let body = match self.reply.input_tokens {
+            Some((_, _, counted)) if self.reply.is_success() => Bytes::from(format!(
+                r#"{{"type":"message","content":[],"usage":{{"input_tokens":{counted},"output_tokens":100}}}}"#
+            )),
+            Some(_) => Bytes::from(format!(
+                r#"{{"type":"error","error":{{"type":"rate_limit_error","message":"This request would exceed the rate limit for your organization of {T_LIMIT} input tokens per minute."}}}}"#
+            )),
+            None => Bytes::new(),
+        };
+        let mut res = Response::new(Full::new(body));
+        if let Some((limit, remaining, _)) = self.reply.input_tokens {
+            let h = res.headers_mut();
+            h.insert(
+                "content-type",
+                http::HeaderValue::from_static("application/json"),
+            );
+            h.insert("anthropic-ratelimit-input-tokens-limit", limit.into());
+            h.insert(
+                "anthropic-ratelimit-input-tokens-remaining",
+                remaining.into(),
+            );
+        }
         *res.status_mut() = self.reply.status;
         if let Some(secs) = self.reply.retry_after {
             res.headers_mut()
@@ -595,6 +770,9 @@ impl tower::retry::Policy<Request<ReplayBody>, Response<Full<Bytes>>, Infallible
         let n = req.extensions().get::<TowerAttempt>().map_or(0, |a| a.0);
         let mut clone = Request::new(req.body().try_clone()?);
         clone.extensions_mut().insert(TowerAttempt(n + 1));
+        if let Some(t) = req.extensions().get::<Tokens>() {
+            clone.extensions_mut().insert(*t);
+        }
         Some(clone)
     }
 }
@@ -636,6 +814,17 @@ impl Runner {
                     .policy(ours())
                     .layer(SimService(sim.clone())),
             ),
+            Policy::TokenPacing => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .layer(SimService(sim.clone())),
+            ),
+            Policy::RequestPacing => Runner::Layer(
+                RetryLayer::new()
+                    .policy(ours())
+                    .fleet(Fleet::builder().token_pacing(None).build())
+                    .layer(SimService(sim.clone())),
+            ),
             Policy::DefaultNoPacing => Runner::Layer(
                 RetryLayer::new()
                     .policy(ours())
@@ -663,22 +852,32 @@ impl Runner {
     }
 
     /// One logical request; true when it succeeded.
-    async fn run(&self, sim: &Arc<Sim>, rng: &mut StdRng, request_seed: u64) -> bool {
+    async fn run(
+        &self,
+        sim: &Arc<Sim>,
+        rng: &mut StdRng,
+        request_seed: u64,
+        tokens: Option<u64>,
+    ) -> bool {
+        let n = tokens.unwrap_or(0);
+        let body = || tokens.map_or_else(|| Bytes::from_static(BODY), token_body);
         match self {
-            Runner::NoRetry => sim.exchange(0).await.is_success(),
+            Runner::NoRetry => sim.exchange(0, n).await.is_success(),
             Runner::Tower => {
                 let svc = tower::retry::Retry::new(
                     TowerPolicy::new(request_seed),
                     SimService(sim.clone()),
                 );
-                let res = svc.oneshot(Request::new(ReplayBody::new(BODY))).await;
+                let mut req = Request::new(ReplayBody::new(body()));
+                req.extensions_mut().insert(Tokens(n));
+                let res = svc.oneshot(req).await;
                 res.is_ok_and(|r| r.status().is_success())
             }
             Runner::Reqwest(policy) => {
                 let started = SystemTime::now();
                 let mut past = 0;
                 loop {
-                    let reply = sim.exchange(past).await;
+                    let reply = sim.exchange(past, n).await;
                     if reply.is_success() {
                         return true;
                     }
@@ -701,7 +900,7 @@ impl Runner {
                 const MAX_RETRIES: u32 = 2;
                 let mut retry = 0;
                 loop {
-                    let reply = sim.exchange(retry).await;
+                    let reply = sim.exchange(retry, n).await;
                     if reply.is_success() {
                         return true;
                     }
@@ -723,7 +922,8 @@ impl Runner {
             }
             Runner::Layer(svc) => {
                 let req = Request::post("https://api.anthropic.com/v1/messages")
-                    .body(Full::new(Bytes::from_static(BODY)))
+                    .extension(Tokens(n))
+                    .body(Full::new(body()))
                     .expect("valid request");
                 let res = svc.clone().oneshot(req).await;
                 res.is_ok_and(|r| r.status().is_success())
@@ -753,6 +953,8 @@ struct Outcome {
     peak_after_refusal: Option<f64>,
     refusals: u64,
     attempts_per_sec: Vec<u32>,
+    /// T1: each success's tokens and wait.
+    waits: Vec<(u64, f64)>,
 }
 
 fn simulate(scenario: Scenario, policy: Policy, seed: u64) -> Outcome {
@@ -763,48 +965,116 @@ fn simulate(scenario: Scenario, policy: Policy, seed: u64) -> Outcome {
         .expect("runtime");
     let sim = rt.block_on(async {
         let sim = Sim::new(scenario, seed);
-        let end = sim.start + Duration::from_secs(scenario.seconds());
         let runner = Arc::new(Runner::new(policy, &sim, seed));
-        let mut offsets = StdRng::seed_from_u64(seed);
-        for client in 0..CLIENTS {
-            // Within the first 2 s, or over a client's period when it is longer.
-            let spread = scenario.period().map_or(2.0, |p| p.as_secs_f64().max(2.0));
-            let offset = Duration::from_secs_f64(offsets.random::<f64>() * spread);
-            let sim = sim.clone();
-            let runner = runner.clone();
-            let mut rng = StdRng::seed_from_u64(seed ^ (client as u64 + 1).wrapping_mul(0x9E37));
-            tokio::spawn(async move {
-                tokio::time::sleep(offset).await;
-                let mut k = 0u64;
-                loop {
-                    let started = Instant::now();
-                    if started >= end {
-                        break;
-                    }
-                    let request_seed = seed ^ ((client as u64) << 32 | k);
-                    let ok = runner.run(&sim, &mut rng, request_seed).await;
-                    if Instant::now() <= end {
-                        sim.completed(client, started, ok);
-                    }
-                    k += 1;
-                    if let Some(period) = scenario.period() {
-                        // S6: Poisson arrivals, exponential gaps of mean `period` between a
-                        // client's starts, so that demand at `C` fluctuates around it.
-                        let gap = if scenario == Scenario::S6 {
-                            period.mul_f64(-(1.0 - rng.random::<f64>()).ln())
-                        } else {
-                            period
-                        };
-                        tokio::time::sleep_until(started + gap).await;
-                    }
-                }
-            });
-        }
-        tokio::time::sleep_until(end).await;
+        drive(scenario, &sim, &[runner], seed).await;
         sim
     });
     drop(rt);
     figures(scenario, policy, &sim)
+}
+
+/// Runs the clients of `scenario` against `sim` to its end, client `i` through
+/// `runners[i % runners.len()]`.
+async fn drive(scenario: Scenario, sim: &Arc<Sim>, runners: &[Arc<Runner>], seed: u64) {
+    let end = sim.start + Duration::from_secs(scenario.seconds());
+    let mut offsets = StdRng::seed_from_u64(seed);
+    for client in 0..scenario.clients() {
+        // Within the first 2 s, or over a client's period when it is longer.
+        let spread = scenario.period().map_or(2.0, |p| p.as_secs_f64().max(2.0));
+        let offset = Duration::from_secs_f64(offsets.random::<f64>() * spread * scenario.scale());
+        let sim = sim.clone();
+        let runner = runners[client % runners.len()].clone();
+        let mut rng = StdRng::seed_from_u64(seed ^ (client as u64 + 1).wrapping_mul(0x9E37));
+        tokio::spawn(async move {
+            tokio::time::sleep(offset).await;
+            let mut k = 0u64;
+            loop {
+                let started = Instant::now();
+                if started >= end {
+                    break;
+                }
+                let request_seed = seed ^ ((client as u64) << 32 | k);
+                let tokens = scenario.is_tokens().then(|| prompt_tokens(&mut rng));
+                let ok = runner.run(&sim, &mut rng, request_seed, tokens).await;
+                if Instant::now() <= end {
+                    sim.completed(client, started, ok, tokens.unwrap_or(0));
+                }
+                k += 1;
+                if let Some(period) = scenario.period() {
+                    // S6: Poisson arrivals, exponential gaps of mean `period` between a
+                    // client's starts, so that demand at `C` fluctuates around it.
+                    let gap = if scenario == Scenario::S6 {
+                        period.mul_f64(-(1.0 - rng.random::<f64>()).ln())
+                    } else {
+                        period
+                    };
+                    tokio::time::sleep_until(started + gap).await;
+                }
+            }
+        });
+    }
+    tokio::time::sleep_until(end).await;
+}
+
+/// T2: the token scenario in real time, ten times faster, its clients split over 4 fleets,
+/// separate or sharing one Redis (`redis`: its URL).
+#[cfg(feature = "fleet-redis")]
+fn simulate_fleets(redis: Option<&str>, seed: u64) -> Outcome {
+    use tower_llm_retry::fleet::{RedisFleet, RedisState, TokenPacingConfig};
+    let scenario = Scenario::T2(redis.is_some());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let sim = rt.block_on(async {
+        let sim = Sim::new(scenario, seed);
+        // A minute of the model is 6 s of the run.
+        let minute = Duration::from_secs_f64(60.0 * T2_SCALE);
+        let fleets: Vec<Fleet> = (0..4)
+            .map(|_| {
+                let b = Fleet::builder()
+                    .pacing(Some(
+                        PacingConfig::new().limit_period(Some(minute)).unwrap(),
+                    ))
+                    .token_pacing(Some(TokenPacingConfig::new().limit_period(minute).unwrap()));
+                match redis {
+                    Some(url) => b
+                        .redis(
+                            RedisFleet::from_url(url)
+                                .unwrap()
+                                .scope("api.anthropic.com", b"bench-key"),
+                        )
+                        .build(),
+                    None => b.build(),
+                }
+            })
+            .collect();
+        for _ in 0..200 {
+            let connected = fleets.iter().all(|f| {
+                !matches!(f.redis_state(), Some(s) if !matches!(s, RedisState::Connected { .. }))
+            });
+            if connected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let runners: Vec<Arc<Runner>> = fleets
+            .into_iter()
+            .enumerate()
+            .map(|(i, fleet)| {
+                Arc::new(Runner::Layer(
+                    RetryLayer::new()
+                        .policy(RetryPolicy::default().random(Random::seeded(seed + i as u64)))
+                        .fleet(fleet)
+                        .layer(SimService(sim.clone())),
+                ))
+            })
+            .collect();
+        drive(scenario, &sim, &runners, seed).await;
+        sim
+    });
+    drop(rt);
+    figures(scenario, Policy::TokenPacing, &sim)
 }
 
 fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
@@ -824,7 +1094,8 @@ fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
     };
     let sum: f64 = stats.per_client.iter().map(|&x| f64::from(x)).sum();
     let sum_sq: f64 = stats.per_client.iter().map(|&x| f64::from(x).powi(2)).sum();
-    let jain = (sum_sq > 0.0).then(|| sum * sum / (CLIENTS as f64 * sum_sq));
+    let clients = scenario.clients() as f64;
+    let jain = (sum_sq > 0.0).then(|| sum * sum / (clients * sum_sq));
     let (outage_retries, recovery, budget_allowance) = if scenario == Scenario::S4 {
         let end = S4_OUTAGE.1 as usize;
         // Recovery: the first second after the outage from which one client period (2 s)
@@ -861,9 +1132,21 @@ fn figures(scenario: Scenario, policy: Policy, sim: &Sim) -> Outcome {
         scenario,
         policy,
         success_rate: (stats.logical > 0).then(|| ok as f64 / stats.logical as f64),
-        goodput: ok as f64 / secs / c,
+        goodput: match scenario {
+            // Input tokens served a second, after the warm-up, over the refill.
+            Scenario::T1 | Scenario::T2(_) => {
+                stats.ok_tokens as f64 / (secs - scenario.warmup() as f64) / c
+            }
+            _ => ok as f64 / secs / c,
+        },
+        waits: stats.waits.clone(),
         attempts_per_success: (ok > 0).then(|| attempts as f64 / ok as f64),
-        peak: f64::from(stats.attempts.iter().copied().max().unwrap_or(0)) / c,
+        // T1: against the requests a second the token capacity takes at the mean size.
+        peak: f64::from(stats.attempts.iter().copied().max().unwrap_or(0))
+            / match scenario {
+                Scenario::T1 | Scenario::T2(_) => c / T_MEAN_TOKENS,
+                _ => c,
+            },
         p50: pct(0.5),
         p99: pct(0.99),
         jain,
@@ -1061,6 +1344,113 @@ fn svg(outcomes: &[Outcome]) -> String {
     s
 }
 
+/// The token rows' policies.
+const T_POLICIES: [Policy; 4] = [
+    Policy::TokenPacing,
+    Policy::RequestPacing,
+    Policy::OfficialSdk,
+    Policy::TowerRetry,
+];
+
+/// The token rows, and the waits of their largest requests.
+fn tokens(seed: u64) -> (Vec<Outcome>, String) {
+    let outcomes: Vec<Outcome> = T_POLICIES
+        .into_iter()
+        .map(|policy| {
+            let wall = std::time::Instant::now();
+            let o = simulate(Scenario::T1, policy, seed);
+            eprintln!(
+                "storm: T1 {:<20} simulated {} s in {:.1} s",
+                policy.name(),
+                Scenario::T1.seconds(),
+                wall.elapsed().as_secs_f64()
+            );
+            o
+        })
+        .collect();
+    #[cfg(feature = "fleet-redis")]
+    let outcomes = {
+        let mut outcomes = outcomes;
+        let mut redis = redis_server::RedisServer::start();
+        for url in [None, Some(redis.url())] {
+            let wall = std::time::Instant::now();
+            let o = simulate_fleets(url.as_deref(), seed);
+            eprintln!(
+                "storm: {} simulated {} s in {:.1} s",
+                o.scenario.name(),
+                o.scenario.seconds(),
+                wall.elapsed().as_secs_f64()
+            );
+            outcomes.push(o);
+        }
+        redis.kill();
+        outcomes
+    };
+    let scenarios: Vec<Scenario> =
+        outcomes
+            .iter()
+            .map(|o| o.scenario)
+            .fold(Vec::new(), |mut v, s| {
+                if !v.contains(&s) {
+                    v.push(s);
+                }
+                v
+            });
+    let mut out = table(&outcomes, &scenarios);
+    out.push_str(
+        "\n| row | requests of 100k+ tokens served | their wait p50 / p99 (s) | under 5k: wait p50 / p99 (s) | (p99 of 100k+ − p99 under 5k) ÷ their refill | p99 of wait ÷ own refill |\n|---|---:|---:|---:|---:|---:|\n",
+    );
+    for o in &outcomes {
+        let pct = |v: &mut Vec<f64>, p: f64| -> Option<f64> {
+            if v.is_empty() {
+                return None;
+            }
+            v.sort_by(f64::total_cmp);
+            let i = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+            Some(v[i])
+        };
+        let mut small: Vec<f64> = o
+            .waits
+            .iter()
+            .filter(|(t, _)| *t <= 5_000)
+            .map(|(_, w)| *w)
+            .collect();
+        let small_p50 = pct(&mut small, 0.5).unwrap_or(0.0);
+        let small_p99 = pct(&mut small, 0.99);
+        let large: Vec<(u64, f64)> = o
+            .waits
+            .iter()
+            .copied()
+            .filter(|(t, _)| *t >= T_LARGE)
+            .collect();
+        let mut waits: Vec<f64> = large.iter().map(|(_, w)| *w).collect();
+        let refill = |t: u64| t as f64 / T_REFILL;
+        let mut ratio: Vec<f64> = large.iter().map(|(t, w)| w / refill(*t)).collect();
+        // What the largest wait beyond the small ones, at the same percentile, over the time
+        // their own tokens take to refill (their mean size over the refill).
+        let mean_large =
+            large.iter().map(|(t, _)| *t as f64).sum::<f64>() / large.len().max(1) as f64;
+        let large_p99 = pct(&mut waits, 0.99);
+        let excess = large_p99
+            .zip(small_p99)
+            .map(|(l, s)| (l - s).max(0.0) / refill(mean_large as u64));
+        let _ = writeln!(
+            out,
+            "| {} `{}` | {} | {} / {} | {} / {} | {} | {} |",
+            o.scenario.name(),
+            o.policy.name(),
+            large.len(),
+            cell(pct(&mut waits, 0.5), 2),
+            cell(large_p99, 2),
+            cell(Some(small_p50), 2),
+            cell(small_p99, 2),
+            cell(excess, 2),
+            cell(pct(&mut ratio, 0.99), 1),
+        );
+    }
+    (outcomes, out)
+}
+
 /// The noise rows: the default against the same run with pacing off.
 fn noise(seed: u64) -> String {
     let mut out = String::from(
@@ -1095,9 +1485,13 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(SEED);
-    // `STORM_ONLY=noise`: the noise rows alone.
+    // `STORM_ONLY=noise`: the noise rows alone; `=tokens`: the token rows alone.
     if std::env::var("STORM_ONLY").is_ok_and(|v| v == "noise") {
         println!("{}", noise(seed));
+        return;
+    }
+    if std::env::var("STORM_ONLY").is_ok_and(|v| v == "tokens") {
+        println!("{}", tokens(seed).1);
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -1127,10 +1521,14 @@ fn main() {
     // Random refusals at a few percent, capacity well above demand: the default's goodput
     // against the same run with pacing off.
     println!("{}", noise(seed));
+    // An input-token limit: token pacing against today's request pacing and the others.
+    let (token_rows, token_table) = tokens(seed);
+    println!("{token_table}");
+    outcomes.extend(token_rows);
     for o in outcomes
         .iter()
         .chain(&with_headers)
-        .filter(|o| !matches!(o.scenario, Scenario::S4 | Scenario::S5))
+        .filter(|o| !matches!(o.scenario, Scenario::S4 | Scenario::S5) && !o.scenario.is_tokens())
     {
         if let Some(peak) = o.peak_after_refusal {
             println!(

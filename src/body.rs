@@ -307,6 +307,14 @@ impl Held {
         self.body.as_ref()
     }
 
+    /// The kept body's bytes, when it is buffered; empty otherwise.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.body
+            .as_ref()
+            .and_then(ReplayBody::as_bytes)
+            .map_or(&[][..], |b| &b[..])
+    }
+
     /// Whether a request is still kept that can be sent again.
     pub(crate) fn can_resend(&self) -> bool {
         !matches!(self.head, Head::Gone)

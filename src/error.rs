@@ -422,6 +422,7 @@ pub struct RetryTrail {
     attempts: Vec<AttemptRecord>,
     gave_up: Option<GiveUpReason>,
     total_attempts: u32,
+    token_wait: Option<Duration>,
 }
 
 impl RetryTrail {
@@ -439,6 +440,17 @@ impl RetryTrail {
 
     pub(crate) fn set_total_attempts(&mut self, n: u32) {
         self.total_attempts = n;
+    }
+
+    pub(crate) fn add_token_wait(&mut self, waited: Duration) {
+        self.token_wait = Some(self.token_wait.unwrap_or_default() + waited);
+    }
+
+    /// How long the request waited in line for tokens, over all its attempts, when it
+    /// waited (the fleet's [token pacing](crate::fleet#pacing-by-tokens) was awake and the
+    /// tokens were not in hand); `None` when it never waited for them.
+    pub fn token_wait(&self) -> Option<Duration> {
+        self.token_wait
     }
 
     /// The failed attempts, oldest first.

@@ -317,6 +317,10 @@ pub struct Upstream {
     /// burst of 1,000 requests at a new tenant takes about 4 s to leave. 0 turns it off.
     /// Defaults to 3.
     pub pacing_warm_up_secs: f64,
+    /// Pacing by tokens: dormant until the upstream states a token limit nearly spent or
+    /// answers a `429` for one, then each attempt waits for its estimated tokens (the
+    /// library's default token pacing). Defaults to `true`.
+    pub token_pacing: bool,
     /// An environment variable with the upstream keys the proxy holds (separated by commas
     /// or new lines); a client token is then required. Defaults to none: clients' own
     /// credentials pass through.
@@ -525,6 +529,7 @@ impl Upstream {
             gate: true,
             pacing: true,
             pacing_warm_up_secs: 3.0,
+            token_pacing: true,
             keys_env: None,
             keys_file: None,
             roots: Roots::Webpki,
@@ -843,6 +848,9 @@ impl Upstream {
         let mut fleet = Fleet::builder().budget(self.budget_config());
         if !self.gate {
             fleet = fleet.cooldown_gate(None);
+        }
+        if !self.token_pacing {
+            fleet = fleet.token_pacing(None);
         }
         if !self.pacing {
             fleet = fleet.pacing(None);
@@ -1384,6 +1392,33 @@ mod tests {
         assert!(shown.contains("\"***\""), "{shown}");
         assert!(!shown.contains("SECRET"));
         assert!(!format!("{c:?}").contains("SECRET"));
+    }
+
+    #[test]
+    fn the_pacing_keys_reach_the_fleet_and_a_warm_up_out_of_range_is_refused() {
+        let c = Config::from_toml("").unwrap();
+        let up = &c.upstream[0];
+        let fleet = up.fleet().build();
+        assert!(fleet.token_pacing().is_some());
+        assert_eq!(
+            fleet.pacing_config().map(|p| p.get_warm_up()),
+            Some(Duration::from_secs(3))
+        );
+        let mut c = c.clone();
+        c.upstream[0].token_pacing = false;
+        c.upstream[0].pacing_warm_up_secs = 0.0;
+        c.validate().unwrap();
+        let fleet = c.upstream[0].fleet().build();
+        assert!(fleet.token_pacing().is_none());
+        assert_eq!(
+            fleet.pacing_config().map(|p| p.get_warm_up()),
+            Some(Duration::ZERO)
+        );
+        for bad in [-1.0, f64::NAN, 1e9] {
+            c.upstream[0].pacing_warm_up_secs = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("pacing_warm_up_secs"), "{e}");
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tower_llm_retry::fallback::CircuitState;
-use tower_llm_retry::fleet::Fleet;
+use tower_llm_retry::fleet::{Fleet, TokenKind};
 use tower_llm_retry::retry::{GiveUpReason, RetryEvent, RetryObserver};
 use tower_llm_retry::{ModelFallbackLayer, RetryTrail};
 
@@ -75,6 +75,12 @@ struct Wake {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TokenLabel {
+    upstream: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Rejected {
     reason: String,
 }
@@ -108,6 +114,11 @@ pub struct Metrics {
     paced_scopes: Family<Up, Gauge>,
     pacing_rate: Family<Up, Gauge<f64, AtomicU64>>,
     pacing_wakes: Family<Wake, Counter>,
+    token_paced_scopes: Family<Up, Gauge>,
+    token_rate: Family<TokenLabel, Gauge<f64, AtomicU64>>,
+    token_level: Family<TokenLabel, Gauge<f64, AtomicU64>>,
+    token_waiting: Family<Up, Gauge>,
+    token_waits: Family<Up, Counter>,
     /// The upstreams' fleets, whose own counters some metrics read when rendered.
     fleets: Mutex<Vec<(Up, Fleet)>>,
     /// The fallback layers with circuits, read when rendered: each with the label of every
@@ -151,6 +162,11 @@ impl Metrics {
             paced_scopes: Family::default(),
             pacing_rate: Family::default(),
             pacing_wakes: Family::default(),
+            token_paced_scopes: Family::default(),
+            token_rate: Family::default(),
+            token_level: Family::default(),
+            token_waiting: Family::default(),
+            token_waits: Family::default(),
             fleets: Mutex::new(Vec::new()),
             circuits: Mutex::new(Vec::new()),
         };
@@ -242,6 +258,31 @@ impl Metrics {
             "Times a tenant's dormant pacing woke, by cause (rate_limit_headers, long_retry_after, quota_reset, refusal_share)",
             m.pacing_wakes.clone(),
         );
+        r.register(
+            "token_paced_scopes",
+            "Tenants of an upstream whose token pacing is awake: a token limit was stated as nearly spent, or a 429 named one",
+            m.token_paced_scopes.clone(),
+        );
+        r.register(
+            "token_rate_per_minute",
+            "The token limits an upstream's awake tenants believe, summed, by kind (input, output, combined), in tokens per minute",
+            m.token_rate.clone(),
+        );
+        r.register(
+            "token_bucket_level",
+            "The tokens in hand in the awake tenants' buckets, summed, by kind (below zero: owed for answers that used more than their estimate)",
+            m.token_level.clone(),
+        );
+        r.register(
+            "token_waiting",
+            "Requests of an upstream in line for tokens now",
+            m.token_waiting.clone(),
+        );
+        r.register(
+            "token_waits",
+            "Requests of an upstream that waited for tokens",
+            m.token_waits.clone(),
+        );
         m
     }
 
@@ -282,6 +323,28 @@ impl Metrics {
                     let seen = counter.get();
                     if closings > seen {
                         counter.inc_by(closings - seen);
+                    }
+                }
+                if let Some(t) = fleet.token_pacing() {
+                    self.token_paced_scopes
+                        .get_or_create(up)
+                        .set(i64::try_from(t.awake).unwrap_or(i64::MAX));
+                    self.token_waiting
+                        .get_or_create(up)
+                        .set(i64::try_from(t.waiting).unwrap_or(i64::MAX));
+                    let counter = self.token_waits.get_or_create(up);
+                    let seen = counter.get();
+                    if t.waited > seen {
+                        counter.inc_by(t.waited - seen);
+                    }
+                    for kind in TokenKind::ALL {
+                        let label = TokenLabel {
+                            upstream: up.upstream.clone(),
+                            kind: kind.as_str().into(),
+                        };
+                        let bucket = t.bucket(kind).unwrap_or_default();
+                        self.token_rate.get_or_create(&label).set(bucket.per_minute);
+                        self.token_level.get_or_create(&label).set(bucket.level);
                     }
                 }
                 if let Some(wakes) = fleet.pacing_wakes() {

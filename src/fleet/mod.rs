@@ -61,6 +61,80 @@
 //! a new scope from its first attempt at the initial rate, in slow start, unslowed by noise,
 //! until evidence wakes the pacing for good or the warm-up is over with no one in line.
 //!
+//! # Pacing by tokens
+//!
+//! Providers limit tokens per minute as well as requests, and say so on every answer
+//! (Anthropic: input, output and both together; OpenAI: one token limit, read as both
+//! together; see [the headers](#rate-limit-headers)). For requests with large prompts the
+//! token limit is the one met first, well inside the request limit. The token pacing
+//! ([`TokenPacingConfig`], on by default and dormant) keeps a scope under it:
+//!
+//! - **Dormant** until a token limit is met: a response stating that at most a tenth of a
+//!   token limit is left ([`TokenWake::NearlySpent`]), or a `429` for a token limit
+//!   ([`TokenWake::TokenRefusal`]): its token headers read 0, or its message names input or
+//!   output tokens ("… 40,000 input tokens per minute", "… on tokens per min (TPM)"). A
+//!   `429` for the request limit does not wake it, nor does a stated limit with room left.
+//!   Dormant, it costs a pass over the response's headers.
+//! - **Awake**, a bucket per kind of limit woken, sized from the stated limit and refilled
+//!   continuously at `limit / 60 s`, as the providers describe theirs; it starts from what
+//!   the server said is left. Each attempt takes its cost from every awake bucket before it
+//!   is sent: its input tokens from the input bucket, the output it may produce from the
+//!   output bucket, both from the combined one. A request waits for its tokens, then for its
+//!   request-pacing turn: a turn is not spent waiting for tokens. What the server says is
+//!   left lowers a bucket (it counts every client of the limit), never raises it.
+//! - **Settled by the answer**: a success's usage, read from its body as it goes to the
+//!   caller (`usage.input_tokens` plus `cache_creation_input_tokens`, or `prompt_tokens`;
+//!   `output_tokens` or `completion_tokens`; in a JSON answer, or in a stream's first and
+//!   last events), gives back what the estimate took beyond it, or takes what it fell short.
+//!   The output is settled only when the body was read to its end. An answer the server
+//!   refused (any status but a success) gives the whole charge back: the providers do not
+//!   count it. A transport failure keeps it.
+//! - **No starvation: head-of-line order.** The requests of a scope take their tokens in
+//!   arrival order: a large request at the head of the line is not passed by the small ones
+//!   behind it, though the bucket holds enough for each of them long before it holds enough
+//!   for it. The cost: while a large request waits, the small ones wait behind it, at most
+//!   the large one's refill time. Across processes the order is that of the bookings in
+//!   Redis, the same rule. A head that does not take its tokens (a future kept alive but no
+//!   longer polled) does not hold the line: 100 ms after they are in hand, the one right
+//!   behind it passes it over, and it comes back right behind that one.
+//! - **A request larger than the whole limit** (its estimate above the bucket) is not held
+//!   forever and not refused on an estimate: it waits for a full bucket, takes all of it,
+//!   and goes alone. The server then serves it (the estimate was high: the usage settles the
+//!   difference) or refuses it (its `429` and `Retry-After` come back to the caller as any
+//!   other, and the tokens are given back).
+//! - **Bounded**: an attempt waits for its tokens no longer than it may wait in the request
+//!   pacing's line (its policy's `retry_after_max`, 60 s by default, or its deadline). When it
+//!   is known that its tokens come later (on joining, from the tokens of those ahead of it),
+//!   it ends with [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong) (or
+//!   [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded)), nothing sent.
+//! - **Visible**: [`Fleet::token_pacing`] reads the tokens per minute believed, each
+//!   bucket's level, the requests in line and those that waited; [`Fleet::token_pacing_state`]
+//!   what woke a scope's; a request that waited for tokens says how long in its
+//!   [`RetryTrail::token_wait`](crate::RetryTrail::token_wait).
+//!
+//! ## The estimate
+//!
+//! A request's input tokens are estimated before it is sent from its buffered body: a
+//! quarter of its bytes, each base64 `"data"` string of 1 KiB or more (an image, a document)
+//! counted as 1,600 tokens instead. Four bytes a token is the providers' own rule of thumb
+//! for English; the JSON around the messages (keys, quotes, the model's name, tool schemas)
+//! makes it an over-estimate, which is the safe side (the usage gives the excess back), and
+//! one pass over the bytes costs far less than a tokenizer. Code and languages that take
+//! more tokens a byte are under-estimated until their usage comes back.
+//! [`TokenPacingConfig::input_counter`] puts the caller's own count in its place. The output
+//! reserved is the request's `max_tokens` (or `max_completion_tokens`, `max_output_tokens`),
+//! as Anthropic reserves it against its output limit, 0 when it sets none.
+//!
+//! Across processes (`fleet-redis`), the buckets of a scope are one in Redis: an attempt
+//! books its tokens with one script on Redis's clock (a GCRA weighted by the tokens, so the
+//! bookings keep their arrival order) and sleeps locally until they are in hand; the usage
+//! gives back in the background. Redis counts only the fleet's bookings, the server every
+//! client of the limit: a booking carries what the server last said is left (refilled to
+//! now), and the shared bucket is lowered to it, as each process lowers its own. A booking
+//! Redis does not answer within its deadline takes this process's bucket instead. Each
+//! process wakes on its own answers. Key: `…:tokens` (a hash: each kind's theoretical
+//! arrival time on Redis's clock).
+//!
 //! # Sharing
 //!
 //! A [`Fleet`] is a handle on one state: its clones share it. Every layer given the same
@@ -118,6 +192,7 @@
 //! | pacing: a `Retry-After` of 10 s or more | read as a quota spent: the rate that spreads it over its cycle, held for a cycle, then at most +25 % a cycle | — |
 //! | pacing: a stated request limit | caps the rate at the limit per 60 s | [`PacingConfig::limit_period`] |
 //! | state per scope | on: a budget, gate and pace per upstream and credential hash, at most 4,096 scopes (a new one past the bound replaces one no request holds whose gate is open; with all in use or closed, it shares the fleet's own state); off for a fleet given a Redis store, whose store names the scope; the fleet's read-outs sum or report over its scopes | [`FleetBuilder::per_scope`], [`FleetBuilder::scope_key`] (what names a scope), [`FleetBuilder::max_scopes`] |
+//! | token pacing | on, dormant: it limits nothing until a token limit is stated as nearly spent (a tenth or less left) or a `429` names one; then admission against a bucket per stated limit, in arrival order ([Pacing by tokens](#pacing-by-tokens)) | [`FleetBuilder::token_pacing`] with a [`TokenPacingConfig`], or `None` to turn it off |
 //! | pacing: longest wait in line | the request's `retry_after_max` (60 s by default) or its deadline, whichever is nearer; then [`ErrorKind::PacingWaitTooLong`](crate::ErrorKind::PacingWaitTooLong), or [`ErrorKind::DeadlineExceeded`](crate::ErrorKind::DeadlineExceeded) for the deadline | [`RetryPolicy::retry_after_max`](crate::RetryPolicy::retry_after_max) |
 //!
 //! The headers read are listed [below](#rate-limit-headers). A retry the budget refuses is not made: the
@@ -277,6 +352,13 @@ let layer = RetryLayer::new().fleet(fleet);
 //! | Anthropic | `anthropic-ratelimit-requests-limit` | `anthropic-ratelimit-requests-remaining` | `anthropic-ratelimit-requests-reset`: an RFC 3339 instant, `2026-01-01T00:00:10Z` |
 //! | OpenAI | `x-ratelimit-limit-requests` | `x-ratelimit-remaining-requests` | `x-ratelimit-reset-requests`: a duration, `1s`, `6m0s`, `547ms`, `2m52.8s` |
 //!
+//! Token limits, read by the [token pacing](#pacing-by-tokens):
+//!
+//! | provider | limit | remaining | reset |
+//! |---|---|---|---|
+//! | Anthropic | `anthropic-ratelimit-{input-tokens,output-tokens,tokens}-limit` | `…-remaining` | `…-reset`: an RFC 3339 instant |
+//! | OpenAI | `x-ratelimit-limit-tokens` | `x-ratelimit-remaining-tokens` | `x-ratelimit-reset-tokens`: a duration, `6m0s`, `1.5s`, `120ms` |
+//!
 //! A value longer than 64 bytes, malformed, negative, overflowing, or a reset more than a day
 //! away counts as absent.
 //!
@@ -301,6 +383,8 @@ mod redis;
 mod scope;
 mod store;
 mod ticket;
+mod token_ticket;
+mod tokens;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -316,6 +400,12 @@ pub use self::pacing::{PacingConfig, PacingWake};
 pub use self::redis::{RedisFleet, RedisState};
 pub use self::scope::ScopeKey;
 pub(crate) use self::ticket::Ticket;
+pub(crate) use self::token_ticket::{TokenTicket, UsageTap};
+pub(crate) use self::tokens::{read_usage, Cost, TokenPacer, Usage};
+pub use self::tokens::{
+    InputCounter, TokenBucketStats, TokenPacingConfig, TokenPacingStats, TokenWake,
+};
+pub use crate::provider::ratelimit::TokenKind;
 
 use self::budget::SharedBudget;
 use self::gate::Gate;
@@ -366,6 +456,7 @@ struct FleetState {
     budget: Option<(BudgetConfig, SharedBudget)>,
     gate: Option<Arc<Gate>>,
     pacer: Option<Arc<Pacer>>,
+    tokens: Option<Arc<TokenPacer>>,
     /// Where the state lives: in this process, or shared with others.
     store: Store,
     /// Per scope: the states of each upstream and credential, made on first use.
@@ -385,6 +476,7 @@ pub struct FleetBuilder {
     budget: Option<BudgetConfig>,
     gate: Option<GateConfig>,
     pacing: Option<PacingConfig>,
+    token_pacing: Option<TokenPacingConfig>,
     /// `None`: the default, per scope unless the fleet has a Redis store.
     per_scope: Option<bool>,
     scope_key: Option<KeyFn>,
@@ -418,6 +510,17 @@ impl FleetBuilder {
     /// last second, with a burst of 1 s; `None` turns it off.
     pub fn pacing(mut self, pacing: Option<PacingConfig>) -> Self {
         self.pacing = pacing;
+        self
+    }
+
+    /// Pacing by tokens: once a provider says a token limit is nearly spent, or answers a
+    /// `429` for one, requests are admitted against a token bucket sized from the stated
+    /// limit, in arrival order, beside the request pacing. See
+    /// [Pacing by tokens](crate::fleet#pacing-by-tokens) and [`TokenPacingConfig`].
+    /// Defaults to [`TokenPacingConfig::new`]: dormant until that evidence; `None` turns it
+    /// off.
+    pub fn token_pacing(mut self, tokens: Option<TokenPacingConfig>) -> Self {
+        self.token_pacing = tokens;
         self
     }
 
@@ -534,12 +637,14 @@ impl FleetBuilder {
     fn build_state(self, scopes: Option<Scopes>, scope: Option<ScopeName>) -> Fleet {
         let gate = self.gate.map(|g| Arc::new(Gate::new(g)));
         let pacer = self.pacing.map(|p| Arc::new(Pacer::new(p)));
+        let tokens = self.token_pacing.map(|t| Arc::new(TokenPacer::new(t)));
         Fleet {
             inner: Arc::new(FleetState {
                 budget: self.budget.map(|c| (c, c.build())),
                 store: self.store.build(gate.as_ref(), self.budget, pacer.as_ref()),
                 gate,
                 pacer,
+                tokens,
                 scopes,
                 scope,
             }),
@@ -553,6 +658,7 @@ impl Default for FleetBuilder {
             budget: Some(BudgetConfig::default()),
             gate: Some(GateConfig::new()),
             pacing: Some(PacingConfig::new()),
+            token_pacing: Some(TokenPacingConfig::new()),
             per_scope: None,
             scope_key: None,
             max_scopes: MAX_SCOPES,
@@ -567,6 +673,7 @@ impl std::fmt::Debug for FleetBuilder {
             .field("budget", &self.budget)
             .field("gate", &self.gate)
             .field("pacing", &self.pacing)
+            .field("token_pacing", &self.token_pacing)
             .field("per_scope", &self.per_scope)
             .field("scope_key", &self.scope_key.is_some())
             .field("max_scopes", &self.max_scopes)
@@ -774,6 +881,86 @@ impl Fleet {
         self.inner.pacer.as_deref()
     }
 
+    fn tokens(&self) -> Option<&TokenPacer> {
+        self.inner.tokens.as_deref()
+    }
+
+    /// The token pacing's state, when it is on: the tokens per minute believed, the level
+    /// of each awake bucket, the requests in line for tokens, those that waited and those
+    /// that gave up. Of a fleet kept per scope: summed over its scopes and its own state
+    /// (a scope's handle reads its own). See [Pacing by tokens](crate::fleet#pacing-by-tokens).
+    pub fn token_pacing(&self) -> Option<TokenPacingStats> {
+        let mut sum = self.tokens()?.stats();
+        if let Some(scopes) = &self.inner.scopes {
+            scopes.for_each(|f| {
+                if let Some(t) = f.tokens() {
+                    sum.add(&t.stats());
+                }
+            });
+        }
+        Some(sum)
+    }
+
+    /// Whether this state's token pacing is awake, and what woke it, when it is on: `None`
+    /// while it sleeps. A scope's handle reads its own.
+    pub fn token_pacing_state(&self) -> Option<TokenWake> {
+        let t = self.tokens()?;
+        t.is_awake().then(|| t.woken_by()).flatten()
+    }
+
+    /// Whether this state's token pacing is awake: one atomic load.
+    #[inline]
+    pub(crate) fn tokens_awake(&self) -> bool {
+        self.tokens().is_some_and(TokenPacer::is_awake)
+    }
+
+    /// A place in the line for tokens, when the token pacing is awake: `cost` gives the
+    /// request's cost (called only then). Bounded like a pacing ticket.
+    pub(crate) fn token_ticket(
+        &self,
+        cost: impl FnOnce(Option<&InputCounter>) -> Cost,
+        limits: Limits<'_>,
+        deadline: Option<Instant>,
+    ) -> Option<TokenTicket> {
+        let tokens = self.tokens()?;
+        if !tokens.is_awake() {
+            return None;
+        }
+        let cost = cost(tokens.config().counter());
+        let now = Instant::now();
+        let ceiling = now + limits.retry_after_max.min(MAX_PACING_WAIT);
+        let give_up_at = deadline.map_or(ceiling, |d| d.min(ceiling));
+        // Tokens from the buckets the store shares; this process's otherwise.
+        let remote = self.inner.store.is_shared().then(|| {
+            let args = tokens.args(cost, None);
+            let wait = give_up_at.saturating_duration_since(now);
+            self.inner.store.reserve_tokens(&args, wait)
+        });
+        Some(TokenTicket {
+            fleet: self.clone(),
+            n: None,
+            remote: remote.flatten(),
+            cost,
+            since: now,
+            give_up_at,
+            by_deadline: deadline.is_some_and(|d| d <= ceiling),
+            joined: false,
+            done: false,
+            sleep: None,
+        })
+    }
+
+    /// Settles the tokens an attempt took: `usage` is what its answer reported (nothing,
+    /// for an answer the server did not count: the whole charge comes back).
+    pub(crate) fn settle_tokens(&self, charged: Cost, usage: Usage) {
+        if let Some(t) = self.tokens() {
+            if charged.shared {
+                self.inner.store.give_tokens(&t.args(charged, Some(usage)));
+            }
+            t.settle(charged, usage);
+        }
+    }
+
     /// A place in the pacing line for the next attempt, when pacing is on. It waits for its
     /// turn no longer than the policy's Retry-After ceiling, nor past `deadline`. Dropping it
     /// before its turn leaves the line.
@@ -881,6 +1068,7 @@ impl Fleet {
         head: &http::response::Parts,
         retry_after: Option<Duration>,
         limits: Limits<'_>,
+        named: Option<TokenKind>,
     ) {
         let ceiling = limits.retry_after_max;
         // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
@@ -889,6 +1077,7 @@ impl Fleet {
         let retry_after = retry_after.filter(honoured);
         // Read only for what uses them: the pacing, and a gate that reads rate-limit headers.
         let counts = match self.pacer().is_some()
+            || self.tokens().is_some()
             || self
                 .gate()
                 .is_some_and(|g| g.config.reads_rate_limit_headers())
@@ -896,6 +1085,14 @@ impl Fleet {
             true => crate::provider::ratelimit::RequestCounts::read(&head.headers),
             false => crate::provider::ratelimit::RequestCounts::default(),
         };
+        // The token pacing: the token windows found in the same pass (an answer that states
+        // none and refuses nothing tells it nothing).
+        let refusal = head.status == StatusCode::TOO_MANY_REQUESTS;
+        if let Some(tokens) = self.tokens().filter(|_| refusal || counts.states_tokens()) {
+            let now = || crate::classify::headers::server_now(&head.headers);
+            let headers = crate::provider::ratelimit::TokenHeaders::of(&counts, now);
+            tokens.observe(&headers, refusal, named);
+        }
         // Pacing: a 429 that shows a limit the scope's rate meets wakes a dormant pacing
         // (random 429s and overloads do not: see the module docs); a stated request limit
         // caps the rate. The limit alone does not wake it (the providers

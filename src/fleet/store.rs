@@ -215,6 +215,34 @@ impl Store {
         }
     }
 
+    /// Tokens booked from the buckets the store shares, for an attempt that may wait
+    /// `max_wait`; `None`: this process's buckets.
+    pub(crate) fn reserve_tokens(
+        &self,
+        args: &super::tokens::TokenArgs,
+        max_wait: Duration,
+    ) -> Option<RemoteTokens> {
+        match self {
+            Store::Local => {
+                let _ = (args, max_wait);
+                None
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.reserve_tokens(args, max_wait),
+        }
+    }
+
+    /// Gives back to the buckets the store shares what an answer did not use.
+    pub(crate) fn give_tokens(&self, args: &super::tokens::TokenArgs) {
+        match self {
+            Store::Local => {
+                let _ = args;
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => link.give_tokens(args),
+        }
+    }
+
     /// The wait for the first read of the shared gate, while it is to come.
     pub(crate) fn first_read(&self) -> Option<FirstRead> {
         match self {
@@ -246,7 +274,22 @@ impl Store {
 
 pub(crate) use super::gate::FirstRead;
 #[cfg(feature = "fleet-redis")]
-pub(crate) use super::redis::RemoteTurn;
+pub(crate) use super::redis::{RemoteTokens, RemoteTurn};
+
+/// Tokens from a shared bucket: none without a store that shares one.
+#[cfg(not(feature = "fleet-redis"))]
+#[derive(Debug)]
+pub(crate) enum RemoteTokens {}
+
+#[cfg(not(feature = "fleet-redis"))]
+impl RemoteTokens {
+    pub(crate) fn poll(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<super::tokens::TokensOutcome> {
+        match *self {}
+    }
+}
 
 /// A turn of a shared schedule: none without a store that shares one.
 #[cfg(not(feature = "fleet-redis"))]

@@ -207,6 +207,14 @@ impl Default for Script {
 pub struct Capacity {
     rate_per_sec: f64,
     burst: u32,
+    unit: Unit,
+}
+
+/// What a [`Capacity`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Unit {
+    Requests,
+    InputTokens,
 }
 
 impl Capacity {
@@ -231,6 +239,33 @@ impl Capacity {
         Capacity {
             rate_per_sec,
             burst,
+            unit: Unit::Requests,
+        }
+    }
+
+    /// An input-token limit as Anthropic describes it: a bucket of `per_minute` tokens,
+    /// refilled continuously at `per_minute / 60` a second, starting full. Each request takes
+    /// its input tokens, counted as the characters of its `system` and message contents
+    /// (strings and `text` blocks) divided by 4, rounded up, at least 1 (a stand-in for a
+    /// tokenizer). Every answer states the limit
+    /// (`anthropic-ratelimit-input-tokens-limit`, `-remaining`, `-reset` as an RFC 3339
+    /// instant on the system clock), and a default success reports the count as
+    /// `usage.input_tokens`. A request over what is left is answered `429` with
+    /// `retry-after` (whole seconds until its tokens are in, at least 1) and Anthropic's
+    /// message naming input tokens; one larger than the whole limit, always.
+    ///
+    /// # Panics
+    ///
+    /// Panics if `per_minute` is zero or above `u32::MAX`.
+    pub fn input_tokens_per_minute(per_minute: u64) -> Capacity {
+        let burst = u32::try_from(per_minute)
+            .ok()
+            .filter(|b| *b > 0)
+            .expect("an input-token limit within 1..=u32::MAX");
+        Capacity {
+            rate_per_sec: per_minute as f64 / 60.0,
+            burst,
+            unit: Unit::InputTokens,
         }
     }
 
@@ -239,6 +274,7 @@ impl Capacity {
             rate_per_sec: self.rate_per_sec,
             burst: f64::from(self.burst),
             tokens: f64::from(self.burst),
+            unit: self.unit,
             // Set on first use so the bucket follows the clock of the runtime
             // that serves requests, not of whoever built the script.
             refilled_at: None,
@@ -246,22 +282,94 @@ impl Capacity {
     }
 }
 
+/// Headers an answer carries.
+pub(super) type Headers = Vec<(HeaderName, HeaderValue)>;
+
 #[derive(Debug)]
 pub(super) struct TokenBucket {
     rate_per_sec: f64,
     burst: f64,
     tokens: f64,
+    unit: Unit,
     refilled_at: Option<Instant>,
 }
 
 impl TokenBucket {
-    /// Takes a token, or returns the reply rejecting the request.
-    pub(super) fn acquire(&mut self, now: Instant) -> Result<(), Reply> {
+    /// Takes what `request` costs, or returns the reply rejecting it. Of an input-token
+    /// bucket, what it took and the headers every answer carries.
+    pub(super) fn admit(
+        &mut self,
+        request: &RecordedRequest,
+        now: Instant,
+    ) -> Result<Option<(u64, Headers)>, Reply> {
+        match self.unit {
+            Unit::Requests => self.acquire(now).map(|()| None),
+            Unit::InputTokens => {
+                self.refill(now);
+                let cost = count_input_tokens(&request.body);
+                let ok = cost as f64 <= self.tokens;
+                if ok {
+                    self.tokens -= cost as f64;
+                }
+                let headers = self.token_headers();
+                if ok {
+                    return Ok(Some((cost, headers)));
+                }
+                let wait = (cost as f64 - self.tokens) / self.rate_per_sec;
+                let retry_after = if cost as f64 > self.burst {
+                    // It can never fit: a wait as long as a whole refill.
+                    (self.burst / self.rate_per_sec).ceil()
+                } else {
+                    wait.ceil().max(1.0)
+                };
+                let message = format!(
+                    "This request would exceed the rate limit for your organization of {} \
+                     input tokens per minute. For details, refer to: \
+                     https://docs.anthropic.com/en/api/rate-limits.",
+                    self.burst
+                );
+                let mut reply = Reply::anthropic_error(429, "rate_limit_error", &message)
+                    .header(RETRY_AFTER.as_str(), &format!("{retry_after:.0}"));
+                reply.headers.extend(headers);
+                Err(reply)
+            }
+        }
+    }
+
+    /// The input-token headers of an answer, as they stand.
+    fn token_headers(&self) -> Headers {
+        let full_in = (self.burst - self.tokens).max(0.0) / self.rate_per_sec;
+        let reset = std::time::SystemTime::now() + Duration::from_secs_f64(full_in.ceil());
+        let h = |name: &'static str, value: String| {
+            (
+                HeaderName::from_static(name),
+                HeaderValue::from_str(&value).expect("digits and RFC 3339"),
+            )
+        };
+        vec![
+            h(
+                "anthropic-ratelimit-input-tokens-limit",
+                format!("{:.0}", self.burst),
+            ),
+            h(
+                "anthropic-ratelimit-input-tokens-remaining",
+                format!("{:.0}", self.tokens.max(0.0).floor()),
+            ),
+            h("anthropic-ratelimit-input-tokens-reset", rfc3339(reset)),
+        ]
+    }
+
+    fn refill(&mut self, now: Instant) {
         if let Some(last) = self.refilled_at {
             let elapsed = now.saturating_duration_since(last).as_secs_f64();
             self.tokens = (self.tokens + elapsed * self.rate_per_sec).min(self.burst);
         }
         self.refilled_at = Some(now);
+    }
+
+    /// Takes a token, or returns the reply rejecting the request.
+    fn acquire(&mut self, now: Instant) -> Result<(), Reply> {
+        self.refill(now);
 
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
@@ -276,6 +384,60 @@ impl TokenBucket {
         )
         .header(RETRY_AFTER.as_str(), &format!("{retry_after:.0}")))
     }
+}
+
+/// The input tokens of a request, as the mock counts them: the characters of its `system`
+/// and of its messages' contents (strings, and the `text` of blocks), divided by 4, rounded
+/// up, at least 1.
+pub(super) fn count_input_tokens(body: &[u8]) -> u64 {
+    fn text_len(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.chars().count(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .map(|b| match b {
+                    Value::String(s) => s.chars().count(),
+                    _ => b.get("text").map_or(0, text_len),
+                })
+                .sum(),
+            _ => 0,
+        }
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return 1;
+    };
+    let mut chars = v.get("system").map_or(0, text_len);
+    if let Some(messages) = v.get("messages").and_then(Value::as_array) {
+        chars += messages
+            .iter()
+            .map(|m| m.get("content").map_or(0, text_len))
+            .sum::<usize>();
+    }
+    (chars as u64).div_ceil(4).max(1)
+}
+
+/// `at` as an RFC 3339 instant in UTC, to the second.
+fn rfc3339(at: std::time::SystemTime) -> String {
+    let secs = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// A scripted response, or a scripted failure to respond.
@@ -877,6 +1039,16 @@ fn put_data(buf: &mut BytesMut, data: &str) {
 
 /// The default `200` body for a request to `path`.
 pub(super) fn success_body(path: &str, request_body: &[u8], index: usize) -> Bytes {
+    success_body_with(path, request_body, index, 10)
+}
+
+/// The default `200` body, reporting `input_tokens` of usage.
+pub(super) fn success_body_with(
+    path: &str,
+    request_body: &[u8],
+    index: usize,
+    input_tokens: u64,
+) -> Bytes {
     let model = serde_json::from_slice::<Value>(request_body)
         .ok()
         .and_then(|v| v.get("model")?.as_str().map(str::to_owned));
@@ -898,9 +1070,9 @@ pub(super) fn success_body(path: &str, request_body: &[u8], index: usize) -> Byt
                 "finish_reason": "stop",
             }],
             "usage": object! {
-                "prompt_tokens": 10,
+                "prompt_tokens": input_tokens,
                 "completion_tokens": 2,
-                "total_tokens": 12,
+                "total_tokens": input_tokens + 2,
             },
         }
     } else {
@@ -913,7 +1085,7 @@ pub(super) fn success_body(path: &str, request_body: &[u8], index: usize) -> Byt
             "stop_reason": "end_turn",
             "stop_sequence": Null,
             "usage": object! {
-                "input_tokens": 10,
+                "input_tokens": input_tokens,
                 "output_tokens": 2,
             },
         }

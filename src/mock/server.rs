@@ -341,15 +341,33 @@ impl Shared {
         if let Some(reply) = state.rules.iter().find_map(|rule| rule.reply(request)) {
             return (index, reply);
         }
-        if let Some(bucket) = &mut state.bucket {
-            if let Err(rejected) = bucket.acquire(now) {
-                return (index, rejected);
+        let mut took = None;
+        let State {
+            requests, bucket, ..
+        } = &mut *state;
+        if let Some(bucket) = bucket {
+            match bucket.admit(&requests[index], now) {
+                Ok(t) => took = t,
+                Err(rejected) => return (index, rejected),
             }
         }
-        let reply = match state.steps.pop_front() {
+        let mut reply = match state.steps.pop_front() {
             Some(reply) => reply,
             None => state.otherwise.clone(),
         };
+        // An input-token bucket states itself, and the success reports what it counted.
+        if let Some((tokens, headers)) = took {
+            let request = &state.requests[index];
+            if let Payload::Success = reply.payload {
+                reply.payload = Payload::Full(super::script::success_body_with(
+                    request.uri.path(),
+                    &request.body,
+                    index,
+                    tokens,
+                ));
+            }
+            reply.headers.extend(headers);
+        }
         (index, reply)
     }
 }

@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{BoxError, Error, ErrorKind, TimedOut, TimeoutKind};
+use crate::fleet::UsageTap;
 use crate::stream::StreamScan;
 
 pin_project! {
@@ -32,6 +33,8 @@ pin_project! {
         // An event stream followed to its protocol's terminal event, and the bytes that went
         // to the caller (counted only then).
         scan: Option<Box<StreamScan>>,
+        // Fleet: the tokens the answer took, settled with the usage it reports.
+        usage: Option<Box<UsageTap>>,
         delivered: u64,
         done: bool,
     }
@@ -232,9 +235,17 @@ impl<B> RetryBody<B> {
             kind,
             idle,
             scan: None,
+            usage: None,
             delivered: 0,
             done: false,
         }
+    }
+
+    /// Reads the usage the answer reports as it goes to the caller, to settle the tokens it
+    /// took.
+    pub(crate) fn tap_usage(mut self, tap: UsageTap) -> Self {
+        self.usage = Some(Box::new(tap));
+        self
     }
 
     /// Follows the stream to its terminal event: a clean end before it is an
@@ -242,6 +253,19 @@ impl<B> RetryBody<B> {
     pub(crate) fn follow_stream(mut self, scan: Box<StreamScan>) -> Self {
         self.scan = Some(scan);
         self
+    }
+}
+
+/// Whether the body has nothing more to give.
+fn kind_ended<B: Body>(kind: &Kind<B>) -> bool {
+    match kind {
+        Kind::Plain { body } => body.is_end_stream(),
+        Kind::Peeked { peeked } => {
+            peeked.frames.is_empty()
+                && peeked.trailers.is_none()
+                && peeked.error.is_none()
+                && peeked.rest.as_ref().is_none_or(|r| r.is_end_stream())
+        }
     }
 }
 
@@ -275,17 +299,20 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
-        let this = self.project();
+        let mut this = self.project();
         if *this.done {
             return Poll::Ready(None);
         }
-        let polled = match this.kind.project() {
+        let polled = match this.kind.as_mut().project() {
             KindProj::Plain { body } => poll_inner(body, cx),
             KindProj::Peeked { peeked } => {
                 if let Some(data) = peeked.frames.pop_front() {
                     // Already followed by the scan while the retry loop peeked.
                     peeked.len -= data.len();
                     *this.delivered += data.len() as u64;
+                    if let Some(tap) = this.usage.as_mut() {
+                        tap.follow(&data);
+                    }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 if let Some(trailers) = peeked.trailers.take() {
@@ -312,6 +339,20 @@ where
                 this.idle.reset();
                 if matches!(item, None | Some(Err(_))) {
                     *this.done = true;
+                }
+                if let Some(tap) = this.usage.as_mut() {
+                    match &item {
+                        Some(Ok(frame)) => {
+                            if let Some(data) = frame.data_ref() {
+                                tap.follow(data);
+                            }
+                            if kind_ended(this.kind.as_ref().get_ref()) {
+                                tap.end();
+                            }
+                        }
+                        None => tap.end(),
+                        Some(Err(_)) => {}
+                    }
                 }
                 if let Some(scan) = this.scan.as_mut() {
                     match &item {
@@ -351,15 +392,7 @@ where
         if self.scan.as_ref().is_some_and(|scan| !scan.settled()) {
             return false;
         }
-        match &self.kind {
-            Kind::Plain { body } => body.is_end_stream(),
-            Kind::Peeked { peeked } => {
-                peeked.frames.is_empty()
-                    && peeked.trailers.is_none()
-                    && peeked.error.is_none()
-                    && peeked.rest.as_ref().is_none_or(|r| r.is_end_stream())
-            }
-        }
+        kind_ended(&self.kind)
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -111,6 +111,18 @@ impl ErrorBody {
     }
 }
 
+/// The token limit a `429`'s error body names in its message, if any (see
+/// [`token_limit_named`](super::ratelimit::token_limit_named)); a body that does not parse is
+/// read as text.
+pub(crate) fn token_limit_of(body: &[u8]) -> Option<super::ratelimit::TokenKind> {
+    match read(body) {
+        (_, Some(message)) => super::ratelimit::token_limit_named(&message),
+        (_, None) => super::ratelimit::token_limit_named(&String::from_utf8_lossy(
+            &body[..body.len().min(4096)],
+        )),
+    }
+}
+
 /// The signal, and the message when the body parsed.
 fn read(body: &[u8]) -> (BodySignal, Option<std::borrow::Cow<'_, str>>) {
     if body.is_empty() {

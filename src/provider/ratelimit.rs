@@ -73,17 +73,33 @@ pub(crate) struct RequestCounts<'a> {
     openai_limit: Option<&'a HeaderValue>,
     anthropic_remaining: Option<&'a HeaderValue>,
     openai_remaining: Option<&'a HeaderValue>,
+    /// The token headers, found in the same pass: [provider (Anthropic, OpenAI)][kind][part
+    /// (limit, remaining, reset)], read by [`TokenHeaders::of`].
+    tokens: [[[Option<&'a HeaderValue>; 3]; 3]; 2],
 }
 
 impl<'a> RequestCounts<'a> {
     pub(crate) fn read(headers: &'a HeaderMap) -> Self {
         let mut counts = RequestCounts::default();
         for (name, value) in headers {
+            let t = &mut counts.tokens;
             let slot = match name.as_str() {
                 ANTHROPIC_REQUESTS_LIMIT => &mut counts.anthropic_limit,
                 OPENAI_REQUESTS_LIMIT => &mut counts.openai_limit,
                 ANTHROPIC_REQUESTS_REMAINING => &mut counts.anthropic_remaining,
                 OPENAI_REQUESTS_REMAINING => &mut counts.openai_remaining,
+                "anthropic-ratelimit-input-tokens-limit" => &mut t[0][0][0],
+                "anthropic-ratelimit-input-tokens-remaining" => &mut t[0][0][1],
+                "anthropic-ratelimit-input-tokens-reset" => &mut t[0][0][2],
+                "anthropic-ratelimit-output-tokens-limit" => &mut t[0][1][0],
+                "anthropic-ratelimit-output-tokens-remaining" => &mut t[0][1][1],
+                "anthropic-ratelimit-output-tokens-reset" => &mut t[0][1][2],
+                "anthropic-ratelimit-tokens-limit" => &mut t[0][2][0],
+                "anthropic-ratelimit-tokens-remaining" => &mut t[0][2][1],
+                "anthropic-ratelimit-tokens-reset" => &mut t[0][2][2],
+                "x-ratelimit-limit-tokens" => &mut t[1][2][0],
+                "x-ratelimit-remaining-tokens" => &mut t[1][2][1],
+                "x-ratelimit-reset-tokens" => &mut t[1][2][2],
                 _ => continue,
             };
             // The first value, as `HeaderMap::get` would give.
@@ -109,9 +125,154 @@ impl<'a> RequestCounts<'a> {
             .find_map(|v| v.and_then(value_str).and_then(parse_count))
     }
 
+    /// Whether any token header is present, well formed or not.
+    pub(crate) fn states_tokens(&self) -> bool {
+        self.tokens.iter().flatten().flatten().any(Option::is_some)
+    }
+
     /// Whether either provider's remaining-count header is present, well formed or not.
     pub(crate) fn states_remaining(&self) -> bool {
         self.anthropic_remaining.is_some() || self.openai_remaining.is_some()
+    }
+}
+
+/// Which of a provider's token limits: Anthropic states input tokens per minute (ITPM),
+/// output tokens per minute (OTPM) and both together; OpenAI states one token limit, which
+/// counts the prompt and the `max_tokens` asked for, read as [`Combined`](TokenKind::Combined).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenKind {
+    /// Input tokens: `anthropic-ratelimit-input-tokens-*`.
+    Input,
+    /// Output tokens: `anthropic-ratelimit-output-tokens-*`.
+    Output,
+    /// Input and output together: `anthropic-ratelimit-tokens-*`, `x-ratelimit-*-tokens`.
+    Combined,
+}
+
+impl TokenKind {
+    /// Every kind, in the order of [`TokenKind::index`].
+    pub const ALL: [TokenKind; 3] = [TokenKind::Input, TokenKind::Output, TokenKind::Combined];
+
+    /// A short name: `input`, `output`, `combined`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TokenKind::Input => "input",
+            TokenKind::Output => "output",
+            TokenKind::Combined => "combined",
+        }
+    }
+
+    /// Its place in [`TokenKind::ALL`].
+    pub fn index(&self) -> usize {
+        match self {
+            TokenKind::Input => 0,
+            TokenKind::Output => 1,
+            TokenKind::Combined => 2,
+        }
+    }
+}
+
+/// One token window as a response states it: the limit, what is left, and how long until it
+/// is full again. Each part is `None` when absent or malformed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TokenWindow {
+    pub(crate) limit: Option<u64>,
+    pub(crate) remaining: Option<u64>,
+    pub(crate) reset: Option<Duration>,
+}
+
+impl TokenWindow {
+    /// Whether at most `1 / fraction` of the limit is left.
+    pub(crate) fn nearly_spent(&self, fraction: u64) -> bool {
+        match (self.limit, self.remaining) {
+            (Some(limit), Some(left)) => left.saturating_mul(fraction) <= limit,
+            _ => false,
+        }
+    }
+}
+
+/// The token windows a response states, read in one pass over its headers, Anthropic's
+/// names before OpenAI's (OpenAI's one token limit is the combined window).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TokenHeaders {
+    pub(crate) windows: [TokenWindow; 3],
+}
+
+impl TokenHeaders {
+    /// Reads the token headers; `now` gives the instant an Anthropic reset (RFC 3339) is
+    /// read against (the server's `Date` where it sent one), asked only when one is present.
+    #[cfg(test)]
+    pub(crate) fn read(headers: &HeaderMap, now: impl Fn() -> SystemTime) -> Self {
+        Self::of(&RequestCounts::read(headers), now)
+    }
+
+    /// The token windows among the headers `counts` found (the first value of each name).
+    pub(crate) fn of(counts: &RequestCounts<'_>, now: impl Fn() -> SystemTime) -> Self {
+        let raw = counts
+            .tokens
+            .map(|kinds| kinds.map(|parts| parts.map(|v| v.map(|v| value_str(v).unwrap_or("")))));
+        let mut found = TokenHeaders::default();
+        for (k, w) in found.windows.iter_mut().enumerate() {
+            let pick = |part: usize, parse: &dyn Fn(usize, &str) -> Option<u64>| {
+                (0..2).find_map(|p| raw[p][k][part].and_then(|v| parse(p, v)))
+            };
+            w.limit = pick(0, &|_, v| parse_count(v).filter(|&n| n > 0));
+            w.remaining = pick(1, &|_, v| parse_count(v));
+            w.reset = (0..2).find_map(|p| {
+                let v = raw[p][k][2]?;
+                match p {
+                    0 => parse_rfc3339(v)
+                        .and_then(|at| at.duration_since(now()).ok())
+                        .filter(|d| *d <= MAX_RESET),
+                    _ => parse_duration(v),
+                }
+            });
+        }
+        found
+    }
+
+    /// The window of `kind`.
+    pub(crate) fn window(&self, kind: TokenKind) -> &TokenWindow {
+        &self.windows[kind.index()]
+    }
+
+    /// Whether any token limit is stated.
+    pub(crate) fn states_a_limit(&self) -> bool {
+        self.windows.iter().any(|w| w.limit.is_some())
+    }
+
+    /// The token limit a `429` with these headers was for: the first window (input, output,
+    /// combined) whose remaining count reads 0.
+    pub(crate) fn exhausted(&self) -> Option<TokenKind> {
+        TokenKind::ALL
+            .into_iter()
+            .find(|k| self.window(*k).remaining == Some(0))
+    }
+}
+
+/// The longest part of an error message read for the limit it names.
+const MAX_MESSAGE_SCAN: usize = 2048;
+
+/// The token limit an error message names, when it names one: Anthropic's "… 40,000 input
+/// tokens per minute" and "… output tokens per minute", OpenAI's "… on tokens per min (TPM):
+/// Limit 30000 …". A message about requests ("requests per min (RPM)") names none. Only the
+/// first 2 KiB are read; matching ignores ASCII case.
+pub(crate) fn token_limit_named(message: &str) -> Option<TokenKind> {
+    let bytes = message.as_bytes();
+    let bytes = &bytes[..bytes.len().min(MAX_MESSAGE_SCAN)];
+    let has = |needle: &[u8]| {
+        bytes
+            .windows(needle.len())
+            .any(|w| w.eq_ignore_ascii_case(needle))
+    };
+    if has(b"input tokens") || has(b"input_tokens") {
+        Some(TokenKind::Input)
+    } else if has(b"output tokens") || has(b"output_tokens") {
+        Some(TokenKind::Output)
+    } else if has(b"tokens per min") || has(b"(tpm)") || has(b"tokens per day") {
+        Some(TokenKind::Combined)
+    } else {
+        None
     }
 }
 
@@ -636,5 +797,201 @@ mod tests {
         let counts = RequestCounts::read(&empty);
         assert_eq!((counts.limit(), counts.remaining()), (None, None));
         assert!(!counts.states_remaining());
+    }
+
+    /// Real header sets of both providers: Anthropic's three windows with RFC 3339 resets,
+    /// OpenAI's one token window with Go durations.
+    #[test]
+    fn token_headers_of_both_providers() {
+        let h = headers(&[
+            ("anthropic-ratelimit-requests-limit", "4000"),
+            ("anthropic-ratelimit-input-tokens-limit", "2000000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "1999000"),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2026-01-01T00:00:01Z",
+            ),
+            ("anthropic-ratelimit-output-tokens-limit", "400000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "400000"),
+            (
+                "anthropic-ratelimit-output-tokens-reset",
+                "2026-01-01T00:00:00Z",
+            ),
+            ("anthropic-ratelimit-tokens-limit", "2400000"),
+            ("anthropic-ratelimit-tokens-remaining", "2399000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-01-01T00:00:01.5Z"),
+        ]);
+        let t = TokenHeaders::read(&h, now);
+        assert_eq!(
+            *t.window(TokenKind::Input),
+            TokenWindow {
+                limit: Some(2_000_000),
+                remaining: Some(1_999_000),
+                reset: ms(1000),
+            }
+        );
+        assert_eq!(t.window(TokenKind::Output).reset, Some(Duration::ZERO));
+        assert_eq!(t.window(TokenKind::Combined).reset, ms(1500));
+        assert!(t.states_a_limit());
+        assert_eq!(t.exhausted(), None);
+        let h = headers(&[
+            ("x-ratelimit-limit-requests", "10000"),
+            ("x-ratelimit-limit-tokens", "30000000"),
+            ("x-ratelimit-remaining-requests", "9999"),
+            ("x-ratelimit-remaining-tokens", "29999000"),
+            ("x-ratelimit-reset-requests", "6ms"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+        ]);
+        let t = TokenHeaders::read(&h, now);
+        assert_eq!(
+            *t.window(TokenKind::Combined),
+            TokenWindow {
+                limit: Some(30_000_000),
+                remaining: Some(29_999_000),
+                reset: ms(360_000),
+            }
+        );
+        assert_eq!(*t.window(TokenKind::Input), TokenWindow::default());
+        for (v, want) in [("1.5s", ms(1500)), ("120ms", ms(120)), ("0s", ms(0))] {
+            let h = headers(&[("x-ratelimit-reset-tokens", v)]);
+            assert_eq!(TokenHeaders::read(&h, now).windows[2].reset, want, "{v}");
+        }
+        // A token 429 says which window is spent; a request 429 names none.
+        let h = headers(&[
+            ("anthropic-ratelimit-input-tokens-limit", "30000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "0"),
+            ("anthropic-ratelimit-output-tokens-remaining", "8000"),
+        ]);
+        assert_eq!(
+            TokenHeaders::read(&h, now).exhausted(),
+            Some(TokenKind::Input)
+        );
+        let h = headers(&[
+            ("anthropic-ratelimit-requests-remaining", "0"),
+            ("anthropic-ratelimit-input-tokens-remaining", "29000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "8000"),
+        ]);
+        assert_eq!(TokenHeaders::read(&h, now).exhausted(), None);
+        let h = headers(&[("x-ratelimit-remaining-tokens", "0")]);
+        assert_eq!(
+            TokenHeaders::read(&h, now).exhausted(),
+            Some(TokenKind::Combined)
+        );
+    }
+
+    /// Hostile values count as absent, one part at a time; Anthropic's value wins over
+    /// OpenAI's whatever their order, and a malformed one falls back to it.
+    #[test]
+    fn token_headers_hostile() {
+        let long = "9".repeat(MAX_VALUE_LEN + 1);
+        let cases: &[(&str, &str)] = &[
+            ("anthropic-ratelimit-input-tokens-limit", "-1"),
+            ("anthropic-ratelimit-input-tokens-limit", "0"),
+            ("anthropic-ratelimit-input-tokens-limit", "1e6"),
+            (
+                "anthropic-ratelimit-input-tokens-limit",
+                "99999999999999999999999",
+            ),
+            ("anthropic-ratelimit-input-tokens-limit", &long),
+            ("anthropic-ratelimit-input-tokens-remaining", "NaN"),
+            ("anthropic-ratelimit-input-tokens-remaining", "1.5"),
+            ("anthropic-ratelimit-input-tokens-reset", "soon"),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2025-12-31T23:59:59Z",
+            ),
+            (
+                "anthropic-ratelimit-input-tokens-reset",
+                "2026-01-05T00:00:00Z",
+            ),
+            ("anthropic-ratelimit-input-tokens-reset", "6m0s"),
+            ("anthropic-ratelimit-input-tokens-sometime", "5"),
+            ("anthropic-ratelimit-inputtokens-limit", "5"),
+            ("x-ratelimit-reset-tokens", "-1s"),
+            ("x-ratelimit-reset-tokens", "25h"),
+            ("x-ratelimit-reset-tokens", "1"),
+            ("x-ratelimit-reset-tokens", "2026-01-01T00:00:01Z"),
+            ("x-ratelimit-limit-tokens_usage_based", "5"),
+            ("x-ratelimit-remaining-tokens", "-3"),
+        ];
+        for (name, value) in cases {
+            let t = TokenHeaders::read(&headers(&[(name, value)]), now);
+            assert_eq!(t, TokenHeaders::default(), "{name}: {value:?}");
+        }
+        // Non-UTF-8 bytes.
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-ratelimit-limit-tokens",
+            HeaderValue::from_bytes(b"\xff\xfe12").unwrap(),
+        );
+        assert_eq!(TokenHeaders::read(&h, now), TokenHeaders::default());
+        // Anthropic's combined window first, whatever the order; a malformed one falls back.
+        let h = headers(&[
+            ("x-ratelimit-limit-tokens", "60"),
+            ("anthropic-ratelimit-tokens-limit", "50"),
+        ]);
+        assert_eq!(TokenHeaders::read(&h, now).windows[2].limit, Some(50));
+        let h = headers(&[
+            ("anthropic-ratelimit-tokens-limit", "fifty"),
+            ("x-ratelimit-limit-tokens", "60"),
+        ]);
+        assert_eq!(TokenHeaders::read(&h, now).windows[2].limit, Some(60));
+        // The first value of a repeated name.
+        let h = headers(&[
+            ("anthropic-ratelimit-input-tokens-remaining", "3"),
+            ("anthropic-ratelimit-input-tokens-remaining", "0"),
+        ]);
+        assert_eq!(TokenHeaders::read(&h, now).exhausted(), None);
+        // Nearly spent: a tenth or less of the limit left.
+        let w = |limit, remaining| TokenWindow {
+            limit: Some(limit),
+            remaining: Some(remaining),
+            reset: None,
+        };
+        assert!(w(1000, 100).nearly_spent(10));
+        assert!(!w(1000, 101).nearly_spent(10));
+        assert!(w(u64::MAX, u64::MAX / 10).nearly_spent(10));
+        assert!(!TokenWindow::default().nearly_spent(10));
+    }
+
+    /// The messages of a token 429 name their limit; a request 429's names none.
+    #[test]
+    fn token_limit_named_in_messages() {
+        let cases: &[(&str, Option<TokenKind>)] = &[
+            (
+                "This request would exceed the rate limit for your organization \
+                 (8f7e) of 40,000 input tokens per minute. For details, refer to: \
+                 https://docs.anthropic.com/en/api/rate-limits.",
+                Some(TokenKind::Input),
+            ),
+            (
+                "This request would exceed the rate limit for your organization \
+                 (8f7e) of 8,000 output tokens per minute.",
+                Some(TokenKind::Output),
+            ),
+            (
+                "Rate limit reached for gpt-4o in organization org-abc on tokens per min \
+                 (TPM): Limit 30000, Used 29000, Requested 2000. Please try again in 2s.",
+                Some(TokenKind::Combined),
+            ),
+            (
+                "Rate limit reached for gpt-4o in organization org-abc on requests per min \
+                 (RPM): Limit 500, Used 500, Requested 1.",
+                None,
+            ),
+            (
+                "Number of request tokens has exceeded your per-minute rate limit",
+                None,
+            ),
+            ("", None),
+            ("INPUT TOKENS", Some(TokenKind::Input)),
+            ("ünïcödé ✓ output tokens", Some(TokenKind::Output)),
+        ];
+        for (message, want) in cases {
+            assert_eq!(token_limit_named(message), *want, "{message}");
+        }
+        // Only the start of a long message is read.
+        let long = format!("{}input tokens", "x".repeat(MAX_MESSAGE_SCAN));
+        assert_eq!(token_limit_named(&long), None);
     }
 }

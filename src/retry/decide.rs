@@ -19,7 +19,7 @@ use crate::error::{
     error_chain, AttemptRecord, BoxError, DeadlineReached, Error, ErrorKind, GiveUpReason,
     RetryTrail, TimedOut, TimeoutKind,
 };
-use crate::fleet::Fleet;
+use crate::fleet::{Cost, Fleet, Usage, UsageTap};
 use crate::pipeline::body::RetryBody;
 use crate::pipeline::{Failed, Judged, Link, Question, Said};
 use crate::provider::error_body::context_overflow;
@@ -59,6 +59,17 @@ pub(super) struct Ctx<S, C> {
     pub(super) attempt_head_timeout: Option<Duration>,
     // Fleet: the state of this request's scope, when the fleet keeps one per scope.
     pub(super) scoped: Option<Fleet>,
+    // Fleet: the request's cost in tokens, once the token pacing asked for it, and what the
+    // attempt about to start or in flight took. Boxed, and made only once the token pacing
+    // is awake: the path every request takes carries one word.
+    pub(super) tokens: Option<Box<Tokens>>,
+}
+
+/// Fleet: what a request takes from the token buckets.
+#[derive(Debug, Default)]
+pub(super) struct Tokens {
+    pub(super) cost: Option<Cost>,
+    pub(super) charged: Option<Cost>,
 }
 
 impl<S, C> Drop for Ctx<S, C> {
@@ -240,10 +251,19 @@ where
         // Fleet: a Retry-After or exhausted rate-limit headers may close the gate. It learns
         // from every answer but one a companion replaces or ends.
         if !matches!(answer, Answer::Resend | Answer::Final(_)) {
+            // A 429's message may name the token limit it was for.
+            let named = match (status, &reply) {
+                (http::StatusCode::TOO_MANY_REQUESTS, Reply::Peeked(_)) => reply
+                    .bytes()
+                    .as_deref()
+                    .and_then(crate::provider::error_body::token_limit_of),
+                _ => None,
+            };
             self.fleet().observe(
                 &head,
                 c.retry_after(),
                 self.policy().fleet_limits_for(self.retries + 1),
+                named,
             );
         }
         match answer {
@@ -261,6 +281,10 @@ where
                 // Sent once and never retried: nothing to judge, but the pacing learns too.
                 self.pacing_feedback(&c);
                 let body = reply.into_body(self.policy().get_idle_timeout(), None);
+                let body = match self.tokens.as_mut().and_then(|t| t.charged.take()) {
+                    Some(charged) => self.settle_tokens(charged, status, body),
+                    None => body,
+                };
                 return Next::Respond(Response::from_parts(head, body));
             }
         }
@@ -269,7 +293,12 @@ where
             .map(|e| e as &(dyn std::error::Error + 'static));
         let verdict = self.judge(&c, Some(status), error_ref, false, &span, remark);
         match verdict {
-            Verdict::Retry(delay) => Next::Sleep(delay),
+            Verdict::Retry(delay) => {
+                if let Some(charged) = self.tokens.as_mut().and_then(|t| t.charged.take()) {
+                    self.refund_tokens(charged);
+                }
+                Next::Sleep(delay)
+            }
             Verdict::Cancel => Next::Fail(self.cancelled()),
             verdict => {
                 let truncated = matches!(outcome, Peek::Complete)
@@ -296,6 +325,10 @@ where
                         _ => {}
                     }
                 }
+                let body = match self.tokens.as_mut().and_then(|t| t.charged.take()) {
+                    Some(charged) => self.settle_tokens(charged, status, body),
+                    None => body,
+                };
                 let mut res = self.respond(head, body, &verdict);
                 if let Some(reason) = commit {
                     res.extensions_mut()
@@ -331,7 +364,13 @@ where
             ..Remark::default()
         };
         match self.judge(&c, None, Some(&*e), not_sent, &span, remark) {
-            Verdict::Retry(delay) => Next::Sleep(delay),
+            Verdict::Retry(delay) => {
+                // A transport failure may have reached the server: its tokens stay taken.
+                if let Some(t) = self.tokens.as_mut() {
+                    t.charged = None;
+                }
+                Next::Sleep(delay)
+            }
             Verdict::Cancel => Next::Fail(self.cancelled().with_source(e)),
             Verdict::GiveUp(reason) => {
                 let trail = Some(self.finished_trail());
@@ -517,6 +556,31 @@ where
         self.scoped.as_ref().unwrap_or(&self.config.fleet)
     }
 
+    /// Fleet: the tokens the attempt took. A success settles them with the usage its body
+    /// reports as the caller reads it; any other answer gives them back (the providers do
+    /// not count a refused request against the limit).
+    fn settle_tokens<R>(
+        &mut self,
+        charged: Cost,
+        status: http::StatusCode,
+        body: RetryBody<R>,
+    ) -> RetryBody<R> {
+        if status.is_success() {
+            return body.tap_usage(UsageTap::new(self.fleet().clone(), charged));
+        }
+        self.refund_tokens(charged);
+        body
+    }
+
+    /// Fleet: gives back the tokens of an attempt the server did not serve.
+    pub(super) fn refund_tokens(&self, charged: Cost) {
+        let none = Usage {
+            input: Some(0),
+            output: Some(0),
+        };
+        self.fleet().settle_tokens(charged, none);
+    }
+
     /// Fleet: tells the pacing how the attempt that had a turn ended.
     fn pacing_feedback(&mut self, c: &Classification) {
         let Some(epoch) = self.paced.take() else {
@@ -546,7 +610,11 @@ where
         verdict: &Verdict,
     ) -> Response<RetryBody<R>> {
         let mut res = Response::from_parts(head, body);
-        if matches!(verdict, Verdict::GiveUp(_)) || self.sent > 1 {
+        // A first attempt that succeeded has no trail, unless it waited for tokens.
+        if matches!(verdict, Verdict::GiveUp(_))
+            || self.sent > 1
+            || self.trail.token_wait().is_some()
+        {
             res.extensions_mut().insert(self.finished_trail());
         }
         res

@@ -19,7 +19,7 @@ use super::NotReplaySafe;
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::Classify;
 use crate::error::{BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut, TimeoutKind};
-use crate::fleet::{GateWait, PastDeadline, Ticket};
+use crate::fleet::{Cost, GateWait, PastDeadline, Ticket, TokenTicket};
 use crate::pipeline::body::{IdleTimer, Peeked, RetryBody};
 use crate::pipeline::{AttemptContext, HttpResponse, Link, ResBodyOf, Said};
 use crate::stream::is_event_stream;
@@ -70,6 +70,11 @@ pin_project! {
         },
         // Fleet: waiting at the closed cooldown gate before an attempt.
         Gated { wait: Pin<Box<GateWait>>, watch: Watch },
+        // Fleet: waiting for this attempt's tokens, in line.
+        Tokens {
+            ticket: Box<TokenTicket>,
+            watch: Watch,
+        },
         // Fleet: waiting for this attempt's turn of the adaptive pacing.
         Pacing {
             ticket: Ticket,
@@ -143,6 +148,7 @@ where
             State::Peeking { .. } => "peeking",
             State::Sleeping { .. } => "sleeping",
             State::Gated { .. } => "gated",
+            State::Tokens { .. } => "tokens",
             State::Pacing { .. } => "pacing",
             State::Done => "done",
         };
@@ -212,6 +218,7 @@ where
                 resends: 0,
                 attempt_head_timeout: None,
                 scoped,
+                tokens: None,
             },
         }
     }
@@ -439,6 +446,40 @@ where
                     }
                     ctx.gate = Gate::Passed;
                     this.state.set(State::Ready { watch: None });
+                }
+                // Fleet: this attempt's tokens were taken; go through Ready for its pacing
+                // turn and to poll the service ready.
+                StateProj::Tokens { ticket, watch } => {
+                    if let Poll::Ready(stop) = watch.poll(cx) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(ctx.stopped(stop)));
+                    }
+                    match ready!(ticket.poll_turn(cx)) {
+                        Ok(waited) => {
+                            ctx.tokens.get_or_insert_with(Default::default).charged =
+                                Some(ticket.cost());
+                            if !waited.is_zero() {
+                                ctx.trail.add_token_wait(waited);
+                            }
+                            this.state.set(State::Ready { watch: None });
+                        }
+                        Err(refused) if refused.by_deadline() => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(ctx.deadline_exceeded()));
+                        }
+                        Err(refused) => {
+                            this.state.set(State::Done);
+                            ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
+                            let trail = ctx.finished_trail();
+                            if ctx.retries > 0 {
+                                if let Some(observer) = &ctx.config.observer {
+                                    observer.on_give_up(&trail);
+                                }
+                            }
+                            let err = Error::new(ErrorKind::PacingWaitTooLong).with_source(refused);
+                            return Poll::Ready(Err(err.with_trail(trail)));
+                        }
+                    }
                 }
                 // Fleet: this attempt's turn came; go through Ready to poll the service ready.
                 StateProj::Pacing { ticket, watch } => {
@@ -673,6 +714,27 @@ where
         }
         if self.paced.is_some() {
             return Ok(None);
+        }
+        // Tokens first, then the request's turn: a turn is not spent waiting for tokens.
+        let fleet = self.scoped.as_ref().unwrap_or(&self.config.fleet);
+        if fleet.tokens_awake() && self.tokens.as_ref().is_none_or(|t| t.charged.is_none()) {
+            let tokens = self.tokens.get_or_insert_with(Default::default);
+            let (held, cost) = (&self.held, &mut tokens.cost);
+            let limits = match &self.policy_override {
+                Some(p) => p.fleet_limits(),
+                None => self.config.policy.fleet_limits(),
+            };
+            let ticket = fleet.token_ticket(
+                |counter| *cost.get_or_insert_with(|| Cost::of_request(held.bytes(), counter)),
+                limits,
+                self.deadline,
+            );
+            if let Some(ticket) = ticket {
+                return Ok(Some(State::Tokens {
+                    ticket: Box::new(ticket),
+                    watch: self.watch(),
+                }));
+            }
         }
         let Some(ticket) = self
             .fleet()

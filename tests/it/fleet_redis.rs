@@ -1511,3 +1511,149 @@ async fn a_warm_up_paces_the_first_burst_of_every_process_on_the_fleets_one_sche
         assert_eq!(f.pacing_state(), Some(None));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pacing by tokens across processes.
+
+/// A fleet that paces only by tokens, from the first stated limit, on `redis`.
+fn token_fleet(redis: &RedisServer) -> Fleet {
+    Fleet::builder()
+        .pacing(None)
+        .cooldown_gate(None)
+        .token_pacing(Some(
+            tower_llm_retry::fleet::TokenPacingConfig::new().dormant(false),
+        ))
+        // A slow call under a loaded machine falls back to this process's bucket, which is
+        // what this test is not about.
+        .redis(store(redis).call_timeout(Duration::from_secs(1)).unwrap())
+        .build()
+}
+
+/// A Messages body whose content the mock counts as `chars / 4` input tokens.
+fn token_body(chars: usize) -> String {
+    format!(
+        r#"{{"model":"claude-test","max_tokens":16,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "a".repeat(chars)
+    )
+}
+
+/// A request whose message the mock counts as `chars / 4` input tokens.
+fn token_request(
+    server: &MockServer,
+    chars: usize,
+) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    http::Request::post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(token_body(
+            chars,
+        ))))
+        .unwrap()
+}
+
+/// Each fleet alone believes it may send 30,000 of the 59,500 input tokens left at once, and
+/// so it may; both together may not. Sharing one bucket in Redis, the last request waits for
+/// its tokens, and the server refuses none.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn two_fleets_on_one_redis_take_their_tokens_from_one_bucket() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(Script::new().capacity(
+        tower_llm_retry::mock::Capacity::input_tokens_per_minute(60_000),
+    ))
+    .await
+    .unwrap();
+    let fleets = [token_fleet(&redis), token_fleet(&redis)];
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
+    // Each learns the limit from an answer of its own: 250 tokens each.
+    for svc in &stacks {
+        let res = svc
+            .clone()
+            .oneshot(token_request(&server, 1_000))
+            .await
+            .unwrap();
+        drop(body_bytes(res).await);
+    }
+    // 12 requests of 5,000 tokens, six through each fleet, at once: 500 more than is left.
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let svc = stacks[i % 2].clone();
+        let req = token_request(&server, 20_000);
+        tasks.spawn(async move { svc.oneshot(req).await.unwrap() });
+    }
+    let mut waited = Vec::new();
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let trail = res.extensions().get::<RetryTrail>().cloned();
+        assert_eq!(trail.as_ref().map_or(0, |t| t.retries()), 0);
+        waited.extend(trail.and_then(|t| t.token_wait()));
+        drop(body_bytes(res).await);
+    }
+    // Nothing refused: 2 + 12 requests, each answered once.
+    assert_eq!(server.request_count(), 14);
+    // The last waited for the 500 tokens (and its estimate's excess), at 1,000 a second.
+    let longest = waited.iter().max().copied().unwrap_or_default();
+    assert!(longest >= Duration::from_millis(400), "{waited:?}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // The read-out of the fleet that booked last mirrors the shared bucket: nearly spent.
+    let lowest = fleets
+        .iter()
+        .filter_map(|f| {
+            f.token_pacing()?
+                .bucket(tower_llm_retry::fleet::TokenKind::Input)
+        })
+        .map(|b| b.level)
+        .fold(f64::INFINITY, f64::min);
+    assert!(lowest < 10_000.0, "{lowest}");
+}
+
+/// Redis counts only the fleet's bookings; the server counts every client of the limit. A
+/// client outside the fleet spends most of the bucket: the next booking carries what the
+/// server last said was left, the shared bucket is lowered to it, and the fleet's two
+/// requests of 3,000 tokens go one after the other, the second when its tokens are in,
+/// instead of both at once into a `429`.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn the_shared_bucket_is_lowered_to_what_the_server_says_is_left() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(Script::new().capacity(
+        tower_llm_retry::mock::Capacity::input_tokens_per_minute(60_000),
+    ))
+    .await
+    .unwrap();
+    let fleet = token_fleet(&redis);
+    all_connected(std::slice::from_ref(&fleet)).await;
+    let svc = stack(&fleet, policy());
+    let small = |svc: &Retry<HttpClient>| svc.clone().oneshot(token_request(&server, 1_000));
+    // Awake from the first answer; the second books in Redis.
+    for _ in 0..2 {
+        drop(body_bytes(small(&svc).await.unwrap()).await);
+    }
+    // Another client of the same limit spends 56,000 tokens: about 3,500 are left.
+    let outside = http::Request::post(server.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(tower_llm_retry::ReplayBody::new(token_body(224_000)))
+        .unwrap();
+    let outside = http_client().request(outside).await.unwrap();
+    assert_eq!(outside.status(), StatusCode::OK);
+    // The fleet's next answer says so.
+    drop(body_bytes(small(&svc).await.unwrap()).await);
+    let start = Instant::now();
+    let (a, b) = tokio::join!(
+        svc.clone().oneshot(token_request(&server, 12_000)),
+        svc.clone().oneshot(token_request(&server, 12_000)),
+    );
+    let mut waited = Vec::new();
+    for res in [a.unwrap(), b.unwrap()] {
+        assert_eq!(res.status(), StatusCode::OK);
+        let trail = res.extensions().get::<RetryTrail>().cloned();
+        assert_eq!(trail.as_ref().map_or(0, |t| t.retries()), 0, "{trail:?}");
+        waited.extend(trail.and_then(|t| t.token_wait()));
+    }
+    assert_eq!(server.request_count(), 6);
+    let longest = waited.iter().max().copied().unwrap_or_default();
+    assert!(longest >= Duration::from_secs(2), "{waited:?}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+}

@@ -26,7 +26,6 @@ fn fleet(store: RedisFleet) -> Fleet {
         .build()
 }
 
-
 fn local(fleet: &Fleet) -> bool {
     matches!(fleet.redis_state(), Some(RedisState::Local { .. }))
 }

@@ -39,4 +39,5 @@ mod reqwest;
 mod reqwest_tls;
 mod soak;
 mod streaming;
+mod tokens;
 mod unsendable;

@@ -459,3 +459,61 @@ async fn a_new_tenants_first_burst_is_paced_by_the_warm_up_then_goes_at_once() {
         Some("0")
     );
 }
+
+/// A tenant whose upstream states its input-token limit and answers a 429 naming input
+/// tokens: its token pacing wakes, `/metrics` shows the limit believed, the bucket's level,
+/// and the request that waited for its tokens.
+#[tokio::test(start_paused = true)]
+async fn a_token_429_shows_the_token_pacing_on_metrics() {
+    let h =
+        start(Script::new().capacity(tower_llm_retry::mock::Capacity::input_tokens_per_minute(60)))
+            .await;
+    let metric = |line: &str| {
+        let m = h.proxy.metrics().render();
+        m.lines()
+            .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_owned()))
+    };
+    // MESSAGES is a few tokens: asleep, nothing believed.
+    assert_eq!(h.send(from("sk-A", &h)).await.status(), 200);
+    assert_eq!(
+        metric("llm_retry_proxy_token_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("0")
+    );
+    // 60 tokens a minute: a request of about 30 tokens spends what is left; the mock's
+    // 429 names input tokens, its retry waits for the tokens.
+    let big = format!(
+        r#"{{"model":"claude-test","max_tokens":16,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "a".repeat(200)
+    );
+    let req = |body: String| {
+        Request::post(h.url("/v1/messages"))
+            .header("content-type", "application/json")
+            .header("anthropic-version", "2023-06-01")
+            .header("x-api-key", "sk-A")
+            .body(Full::from(body))
+            .unwrap()
+    };
+    assert_eq!(h.send(req(big.clone())).await.status(), 200);
+    assert_eq!(h.send(req(big)).await.status(), 200);
+    assert_eq!(
+        metric("llm_retry_proxy_token_paced_scopes{upstream=\"anthropic\"}").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        metric("llm_retry_proxy_token_rate_per_minute{upstream=\"anthropic\",kind=\"input\"}")
+            .as_deref(),
+        Some("60.0")
+    );
+    assert!(
+        metric("llm_retry_proxy_token_bucket_level{upstream=\"anthropic\",kind=\"input\"}")
+            .is_some()
+    );
+    assert_eq!(
+        metric("llm_retry_proxy_token_waiting{upstream=\"anthropic\"}").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        metric("llm_retry_proxy_token_waits_total{upstream=\"anthropic\"}").as_deref(),
+        Some("1")
+    );
+}

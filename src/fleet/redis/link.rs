@@ -40,6 +40,7 @@ pub(super) struct Shared {
     /// The connection, once made: the pacing reserves its slots through it.
     pub(super) conn: OnceLock<Conn>,
     pub(super) reserve: redis::Script,
+    pub(super) tokens: redis::Script,
     /// The attempts of this process waiting for a slot of the fleet's schedule, in order.
     pub(super) line: Mutex<std::collections::VecDeque<Waiter>>,
     pub(super) line_wake: Notify,
@@ -110,6 +111,7 @@ impl Link {
             pacer,
             conn: OnceLock::new(),
             reserve: redis::Script::new(RESERVE),
+            tokens: redis::Script::new(TOKENS),
             line: Mutex::default(),
             line_wake: Notify::new(),
             rate: AtomicU64::new(0),

@@ -48,10 +48,12 @@ mod hub;
 mod link;
 mod pace;
 mod task;
+mod tokens;
 
 use self::conn::{cluster_nodes, Conn, Connector};
 pub(crate) use self::link::Link;
 pub(crate) use self::pace::RemoteTurn;
+pub(crate) use self::tokens::RemoteTokens;
 use self::{link::*, pace::*, task::*};
 use crate::error::ConfigError;
 
@@ -356,6 +358,7 @@ struct Keys {
     budget: String,
     procs: String,
     pace: String,
+    tokens: String,
     channel: String,
 }
 
@@ -367,6 +370,7 @@ impl Keys {
             budget: k("budget"),
             procs: k("procs"),
             pace: k("pace"),
+            tokens: k("tokens"),
             channel: k("gate-closed"),
         }
     }
@@ -408,6 +412,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Returns the epoch, the rate, when to ask again (µs; 0: nothing left) and, per attempt, a
 /// code (1 booked, 0 refused, 2 later) and the wait (µs, from `ARGV[9]` on).
 const RESERVE: &str = include_str!("scripts/reserve.lua");
+
+/// Takes tokens from the scope's token buckets, in arrival order, or gives back what an
+/// answer did not use. Returns a code, the wait and each bucket's level.
+const TOKENS: &str = include_str!("scripts/tokens.lua");
 
 /// A refusal of an attempt sent in epoch `ARGV[1]`: the fleet's rate decreases once per
 /// epoch, whichever process saw it (by at most half the first time, which ends slow start).
