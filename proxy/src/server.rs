@@ -456,20 +456,38 @@ fn text(
     res
 }
 
+/// An overload answer that also closes its HTTP/1 connection: under overload every client
+/// connection kept open holds its buffers (some 20 KiB), so the ones refused give them back
+/// at once, and the memory stays bounded by the requests in flight rather than by every
+/// client that tried. (HTTP/2 has no such header; its streams share one connection.)
+fn closing(mut res: Response<ProxyBody>, version: http::Version) -> Response<ProxyBody> {
+    if version <= http::Version::HTTP_11 {
+        res.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    res
+}
+
 impl State {
-    fn busy(&self, kind: Kind) -> Response<ProxyBody> {
-        self.reject(
-            kind,
-            Reject::Busy,
-            "the proxy is handling as many requests as it is allowed to; retry shortly",
+    fn busy(&self, kind: Kind, version: http::Version) -> Response<ProxyBody> {
+        closing(
+            self.reject(
+                kind,
+                Reject::Busy,
+                "the proxy is handling as many requests as it is allowed to; retry shortly",
+            ),
+            version,
         )
     }
 
-    fn body_memory(&self, kind: Kind) -> Response<ProxyBody> {
-        self.reject(
-            kind,
-            Reject::BodyMemory,
-            "the request bodies this proxy holds leave no room for this one; retry shortly",
+    fn body_memory(&self, kind: Kind, version: http::Version) -> Response<ProxyBody> {
+        closing(
+            self.reject(
+                kind,
+                Reject::BodyMemory,
+                "the request bodies this proxy holds leave no room for this one; retry shortly",
+            ),
+            version,
         )
     }
 
@@ -578,11 +596,12 @@ impl State {
         let factory = &self.factories[route.upstream];
         let up = factory.upstream().clone();
         let kind = up.kind;
+        let version = req.version();
 
         // The slot is taken once the body is read (a body still arriving holds only its
         // bytes, which the body budget bounds); a proxy already full says so at once.
         if self.limit.available_permits() == 0 {
-            return self.busy(kind);
+            return self.busy(kind, version);
         }
         self.metrics.in_flight().inc();
         let _in_flight = InFlight(&self.metrics);
@@ -639,7 +658,9 @@ impl State {
                     &format!("request body of {n} bytes is over this proxy's limit of {cap}"),
                 )
             }
-            Some(Some(n)) if n > self.body_budget.left() as u64 => return self.body_memory(kind),
+            Some(Some(n)) if n > self.body_budget.left() as u64 => {
+                return self.body_memory(kind, version)
+            }
             _ => {}
         }
         let (parts, body) = req.into_parts();
@@ -647,7 +668,7 @@ impl State {
         let body_deadline = gone.start.checked_add(self.config.body_timeout());
         let body = match read_body(body, cap, body_deadline, &mut reservation).await {
             Ok(b) => b,
-            Err(BodyError::OverBudget) => return self.body_memory(kind),
+            Err(BodyError::OverBudget) => return self.body_memory(kind, version),
             Err(BodyError::TooSlow) => {
                 return self.reject(
                     kind,
@@ -680,7 +701,7 @@ impl State {
             }
         };
         let Ok(permit) = self.limit.clone().try_acquire_owned() else {
-            return self.busy(kind);
+            return self.busy(kind, version);
         };
 
         let Some(uri) = factory.upstream_uri(route.path_and_query) else {
