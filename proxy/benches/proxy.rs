@@ -12,10 +12,10 @@
 //! - open loop at 1,000, 5,000 and 10,000 requests/s (latency from each request's scheduled
 //!   time, so a stall is not hidden): p50 / p99, and what each adds over direct;
 //! - time to the first SSE byte at 1,000/s;
+//! - closed loop, 64 connections: throughput, and CPU per request (the process's user +
+//!   system time over the requests it served), before any overload;
 //! - the highest rate (stepped) whose p99 stays under 5 ms, then an overload step far past
 //!   what any of them serves;
-//! - closed loop, 64 connections: throughput, and CPU per request (the process's user +
-//!   system time over the requests it served);
 //! - each process's peak RSS (`VmHWM`), overload steps included.
 //!
 //! Writes `target/bench/proxy.json`.
@@ -308,6 +308,24 @@ async fn bench() {
         sse.push((f50, f99, t99, r.errors));
     }
 
+    println!("closed loop, 64 connections, 1 KiB JSON, 3 s:");
+    let mut closed = Vec::new();
+    for p in &paths {
+        let cpu0 = p.pid.and_then(cpu_time);
+        let (rps, errors) = closed_loop(&p.base, JSON_BODY, 64, 3.0).await;
+        let cpu = match (cpu0, p.pid.and_then(cpu_time)) {
+            (Some(a), Some(b)) if rps > 0.0 => Some((b - a).as_secs_f64() * 1e6 / (rps * 3.0)),
+            _ => None,
+        };
+        println!(
+            "  {:<6} {rps:.0} /s | errors {errors} | CPU per request {} µs",
+            p.name,
+            show(cpu, 1)
+        );
+        closed.push((rps, errors, cpu));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     let steady: Vec<Option<u64>> = paths
         .iter()
         .map(|p| p.pid.and_then(|pid| rss_kib(pid, "VmHWM:")))
@@ -360,24 +378,6 @@ async fn bench() {
         );
         overload.push((r.total.len(), p99, r.errors));
         tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-
-    println!("closed loop, 64 connections, 1 KiB JSON, 3 s:");
-    let mut closed = Vec::new();
-    for p in &paths {
-        let cpu0 = p.pid.and_then(cpu_time);
-        let (rps, errors) = closed_loop(&p.base, JSON_BODY, 64, 3.0).await;
-        let cpu = match (cpu0, p.pid.and_then(cpu_time)) {
-            (Some(a), Some(b)) if rps > 0.0 => Some((b - a).as_secs_f64() * 1e6 / (rps * 3.0)),
-            _ => None,
-        };
-        println!(
-            "  {:<6} {rps:.0} /s | errors {errors} | CPU per request {} µs",
-            p.name,
-            show(cpu, 1)
-        );
-        closed.push((rps, errors, cpu));
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
     let peak: Vec<Option<u64>> = paths
