@@ -1,16 +1,22 @@
-//! `cargo bench -p tower-llm-retry-proxy`: what the proxy adds, measured against the mock
-//! direct in the same run.
+//! `cargo bench -p tower-llm-retry-proxy --bench proxy`: what the proxy adds, measured against
+//! the mock direct and against two floors, in the same run.
 //!
-//! The mock runs in this process; the proxy is the release binary, started as a child in
-//! front of it (so its peak RSS is its own). A load generator (hyper-util client, HTTP/1.1)
-//! sends 1 KiB JSON and 20-event SSE requests:
+//! The mock runs in this process. In front of it, each its own child process (so its CPU
+//! time and peak RSS are its own): the proxy (the release binary, its default configuration,
+//! logs at `warn`); a bare pass-through proxy made of the
+//! same hyper server and hyper-util client, with nothing else (this binary again, see
+//! `support/floor.rs`); and nginx `proxy_pass` with upstream keep-alive and one worker,
+//! when `nginx` is on `PATH` (skipped with a notice when it is not). A load generator
+//! (hyper-util client, HTTP/1.1) sends 1 KiB JSON and 20-event SSE requests to each in turn:
 //!
-//! - open loop at a fixed rate (latency from each request's scheduled time, so a stall is
-//!   not hidden), direct and through the proxy: added p50 / p99 at 1,000 requests/s;
-//! - time to the first SSE byte, direct and through the proxy;
-//! - the highest rate (stepped) whose p99 through the proxy stays under 5 ms;
-//! - closed loop, 64 connections: throughput through the proxy against direct;
-//! - the proxy's peak RSS (`VmHWM`).
+//! - open loop at 1,000, 5,000 and 10,000 requests/s (latency from each request's scheduled
+//!   time, so a stall is not hidden): p50 / p99, and what each adds over direct;
+//! - time to the first SSE byte at 1,000/s;
+//! - closed loop, 64 connections: throughput, and CPU per request (the process's user +
+//!   system time over the requests it served), before any overload;
+//! - the highest rate (stepped) whose p99 stays under 5 ms, then an overload step far past
+//!   what any of them serves;
+//! - each process's peak RSS (`VmHWM`), overload steps included.
 //!
 //! Writes `target/bench/proxy.json`.
 
@@ -27,6 +33,8 @@ use tower_llm_retry::mock::{sse, MockServer, Reply, Script};
 
 mod support;
 use support::{client, cpu_time, free_port, rss_kib, target_dir, HttpClient, ProxyProcess};
+#[path = "support/floor.rs"]
+mod floor;
 
 const JSON_BODY: &str =
     r#"{"model":"claude-bench","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -116,7 +124,13 @@ async fn open_loop(
             // tokio's timer has a 1 ms grain: the lag between the scheduled instant and the
             // start is the generator's, the same on both paths, and reported apart.
             let lag = at.elapsed();
-            one(&client, &base, body).await.map(|(f, t)| (f, t, lag))
+            // A request still unanswered after 10 s is counted as failed: an overloaded
+            // path must not hold the bench for minutes.
+            tokio::time::timeout(Duration::from_secs(10), one(&client, &base, body))
+                .await
+                .ok()
+                .flatten()
+                .map(|(f, t)| (f, t, lag))
         });
     }
     let mut run = Run {
@@ -170,12 +184,35 @@ async fn closed_loop(base: &str, body: &'static str, conns: usize, secs: f64) ->
 }
 
 fn main() {
+    // This binary is also the bare pass-through proxy, in a process of its own.
+    floor::bare_if_asked();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(bench());
+}
+
+/// One path the load goes through: direct to the mock, or a proxy process in front of it.
+struct Path {
+    name: &'static str,
+    base: String,
+    pid: Option<u32>,
+}
+
+/// The open-loop rates whose p50 / p99 are reported.
+const RATES: [f64; 3] = [1000.0, 5000.0, 10000.0];
+
+/// The overload step: far past what any of the paths serves on two cores.
+const OVERLOAD_RATE: f64 = 20000.0;
+
+fn mib(kib: Option<u64>) -> Option<f64> {
+    kib.map(|k| k as f64 / 1024.0)
+}
+
+fn show(x: Option<f64>, digits: usize) -> String {
+    x.map_or("–".into(), |x| format!("{x:.digits$}"))
 }
 
 async fn bench() {
@@ -188,75 +225,117 @@ async fn bench() {
     let mut f = std::fs::File::create(&config).expect("config");
     writeln!(
         f,
-        "listen = \"127.0.0.1:{port}\"\nmax_concurrent_requests = 4096\n\n[[upstream]]\nname = \"anthropic\"\nkind = \"anthropic\"\nurl = \"{direct}\"\n"
+        "listen = \"127.0.0.1:{port}\"\n\n[[upstream]]\nname = \"anthropic\"\nkind = \"anthropic\"\nurl = \"{direct}\"\n"
     )
     .expect("config");
     let proxy_proc = ProxyProcess::start(&config, "warn");
-    let proxied = format!("http://{}", SocketAddr::from(([127, 0, 0, 1], port)));
+    let bare = floor::start_bare(free_port(), &direct);
+    let nginx = floor::start_nginx(free_port(), &mock.addr().to_string(), &dir);
+    let mut paths = vec![Path {
+        name: "direct",
+        base: direct.clone(),
+        pid: None,
+    }];
+    for f in [Some(&bare), nginx.as_ref()].into_iter().flatten() {
+        paths.push(Path {
+            name: f.name,
+            base: f.base.clone(),
+            pid: Some(f.child.id()),
+        });
+    }
+    paths.push(Path {
+        name: "proxy",
+        base: format!("http://{}", SocketAddr::from(([127, 0, 0, 1], port))),
+        pid: Some(proxy_proc.0.id()),
+    });
     let c = client();
-    let mut up = false;
-    for _ in 0..100 {
-        if one(&c, &proxied, JSON_BODY).await.is_some() {
-            up = true;
-            break;
+    for p in &paths {
+        let mut up = false;
+        for _ in 0..100 {
+            if one(&c, &p.base, JSON_BODY).await.is_some() {
+                up = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(up, "{} did not answer", p.name);
+        // Warm the path.
+        let _ = open_loop(&c, &p.base, JSON_BODY, 500.0, 0.5).await;
     }
-    assert!(up, "the proxy did not answer");
+    let n = paths.len();
 
-    // Warm both paths.
-    for base in [&direct, &proxied] {
-        let _ = open_loop(&c, base, JSON_BODY, 500.0, 0.5).await;
+    // [path][rate] -> (p50, p99, errors); the generator's lag at each rate.
+    let mut open = vec![Vec::new(); n];
+    let mut lags = Vec::new();
+    for &rate in &RATES {
+        println!("open loop, 1 KiB JSON at {rate} requests/s for 2 s:");
+        let mut lag = Duration::ZERO;
+        for (i, p) in paths.iter().enumerate() {
+            let mut r = open_loop(&c, &p.base, JSON_BODY, rate, 2.0).await;
+            let (p50, p99) = (pct(&mut r.total, 0.5), pct(&mut r.total, 0.99));
+            lag = lag.max(pct(&mut r.lag, 0.99));
+            println!(
+                "  {:<6} p50 {:.3} ms p99 {:.3} ms | errors {}",
+                p.name,
+                ms(p50),
+                ms(p99),
+                r.errors
+            );
+            open[i].push((p50, p99, r.errors));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        println!("  (generator lag behind schedule, p99: {:.3} ms)", ms(lag));
+        lags.push(lag);
     }
 
-    println!("open loop, 1 KiB JSON at 1,000 requests/s for 3 s:");
-    let mut d = open_loop(&c, &direct, JSON_BODY, 1000.0, 3.0).await;
-    let mut p = open_loop(&c, &proxied, JSON_BODY, 1000.0, 3.0).await;
-    let (d50, d99, p50, p99) = (
-        pct(&mut d.total, 0.5),
-        pct(&mut d.total, 0.99),
-        pct(&mut p.total, 0.5),
-        pct(&mut p.total, 0.99),
-    );
-    let lag99 = pct(&mut d.lag, 0.99).max(pct(&mut p.lag, 0.99));
-    println!(
-        "  (generator lag behind schedule, p99: {:.3} ms)",
-        ms(lag99)
-    );
-    let added50 = p50.saturating_sub(d50);
-    let added99 = p99.saturating_sub(d99);
-    println!(
-        "  direct p50 {:.3} ms p99 {:.3} ms | proxy p50 {:.3} ms p99 {:.3} ms | added p50 {:.3} ms p99 {:.3} ms | errors {} / {}",
-        ms(d50), ms(d99), ms(p50), ms(p99), ms(added50), ms(added99), d.errors, p.errors
-    );
+    println!("open loop, 20-event SSE at 1,000 requests/s for 2 s, time to the first byte:");
+    let mut sse = Vec::new();
+    for p in &paths {
+        let mut r = open_loop(&c, &p.base, SSE_BODY, 1000.0, 2.0).await;
+        let (f50, f99, t99) = (
+            pct(&mut r.first_byte, 0.5),
+            pct(&mut r.first_byte, 0.99),
+            pct(&mut r.total, 0.99),
+        );
+        println!(
+            "  {:<6} first byte p50 {:.3} p99 {:.3} ms | whole stream p99 {:.3} ms | errors {}",
+            p.name,
+            ms(f50),
+            ms(f99),
+            ms(t99),
+            r.errors
+        );
+        sse.push((f50, f99, t99, r.errors));
+    }
 
-    println!("open loop, 20-event SSE at 1,000 requests/s for 2 s:");
-    let mut ds = open_loop(&c, &direct, SSE_BODY, 1000.0, 2.0).await;
-    let mut ps = open_loop(&c, &proxied, SSE_BODY, 1000.0, 2.0).await;
-    let (df50, df99, pf50, pf99) = (
-        pct(&mut ds.first_byte, 0.5),
-        pct(&mut ds.first_byte, 0.99),
-        pct(&mut ps.first_byte, 0.5),
-        pct(&mut ps.first_byte, 0.99),
-    );
-    let (dt99, pt99) = (pct(&mut ds.total, 0.99), pct(&mut ps.total, 0.99));
-    println!(
-        "  first byte: direct p50 {:.3} p99 {:.3} ms | proxy p50 {:.3} p99 {:.3} ms | added p50 {:.3} ms p99 {:.3} ms | whole stream p99 {:.3} / {:.3} ms | errors {} / {}",
-        ms(df50), ms(df99), ms(pf50), ms(pf99),
-        ms(pf50.saturating_sub(df50)), ms(pf99.saturating_sub(df99)), ms(dt99), ms(pt99), ds.errors, ps.errors
-    );
+    println!("closed loop, 64 connections, 1 KiB JSON, 3 s:");
+    let mut closed = Vec::new();
+    for p in &paths {
+        let cpu0 = p.pid.and_then(cpu_time);
+        let (rps, errors) = closed_loop(&p.base, JSON_BODY, 64, 3.0).await;
+        let cpu = match (cpu0, p.pid.and_then(cpu_time)) {
+            (Some(a), Some(b)) if rps > 0.0 => Some((b - a).as_secs_f64() * 1e6 / (rps * 3.0)),
+            _ => None,
+        };
+        println!(
+            "  {:<6} {rps:.0} /s | errors {errors} | CPU per request {} µs",
+            p.name,
+            show(cpu, 1)
+        );
+        closed.push((rps, errors, cpu));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
-    let steady_peak = rss_kib(proxy_proc.0.id(), "VmHWM:");
-    println!(
-        "proxy peak RSS after the 1,000/s phases: {} MiB",
-        steady_peak.map_or("?".into(), |k| format!("{:.1}", k as f64 / 1024.0))
-    );
+    let steady: Vec<Option<u64>> = paths
+        .iter()
+        .map(|p| p.pid.and_then(|pid| rss_kib(pid, "VmHWM:")))
+        .collect();
 
     println!(
         "highest rate with p99 under 5 ms (1 KiB JSON, 1 s per step, a failed step run twice):"
     );
-    let mut best = [0.0f64; 2];
-    for (i, base) in [&direct, &proxied].into_iter().enumerate() {
+    let mut best = vec![0.0f64; n];
+    for (i, p) in paths.iter().enumerate() {
         for rate in [
             1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 8000.0, 10000.0,
         ] {
@@ -264,12 +343,12 @@ async fn bench() {
             // is run once more before the search stops.
             let mut ok = false;
             for _ in 0..2 {
-                let mut r = open_loop(&c, base, JSON_BODY, rate, 1.0).await;
+                let mut r = open_loop(&c, &p.base, JSON_BODY, rate, 1.0).await;
                 let p99 = pct(&mut r.total, 0.99);
                 ok = p99 < Duration::from_millis(5) && r.errors == 0;
                 println!(
-                    "  {} {rate:>6} /s: p99 {:.3} ms, errors {}",
-                    ["direct", "proxy "][i],
+                    "  {:<6} {rate:>6} /s: p99 {:.3} ms, errors {}",
+                    p.name,
                     ms(p99),
                     r.errors
                 );
@@ -284,51 +363,130 @@ async fn bench() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    println!("  direct {} /s, proxy {} /s", best[0], best[1]);
 
-    println!("closed loop, 64 connections, 1 KiB JSON, 3 s:");
-    let (drps, derr) = closed_loop(&direct, JSON_BODY, 64, 3.0).await;
-    let cpu0 = cpu_time(proxy_proc.0.id());
-    let (prps, perr) = closed_loop(&proxied, JSON_BODY, 64, 3.0).await;
-    let cpu_per_request_us = match (cpu0, cpu_time(proxy_proc.0.id())) {
-        (Some(a), Some(b)) if prps > 0.0 => Some((b - a).as_secs_f64() * 1e6 / (prps * 3.0)),
+    println!("overload, 1 KiB JSON at {OVERLOAD_RATE} requests/s for 1 s (a refusal is an error):");
+    let mut overload = Vec::new();
+    for p in &paths {
+        let mut r = open_loop(&c, &p.base, JSON_BODY, OVERLOAD_RATE, 1.0).await;
+        let p99 = pct(&mut r.total, 0.99);
+        println!(
+            "  {:<6} served {} p99 {:.3} ms, errors {}",
+            p.name,
+            r.total.len(),
+            ms(p99),
+            r.errors
+        );
+        overload.push((r.total.len(), p99, r.errors));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    let peak: Vec<Option<u64>> = paths
+        .iter()
+        .map(|p| p.pid.and_then(|pid| rss_kib(pid, "VmHWM:")))
+        .collect();
+    drop(proxy_proc);
+    drop(bare);
+    drop(nginx);
+
+    // The table: each path, and the proxy's figures over each floor's.
+    let proxy = n - 1;
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
     };
-    let ratio = prps / drps;
+    let added = |i: usize, k: usize| ms(open[i][k].1.saturating_sub(open[0][k].1));
+    println!();
     println!(
-        "  direct {drps:.0} /s, proxy {prps:.0} /s, ratio {ratio:.3} | errors {derr} / {perr} | proxy CPU per request {} µs",
-        cpu_per_request_us.map_or("?".into(), |u| format!("{u:.1}"))
+        "| | direct | {} |",
+        paths[1..]
+            .iter()
+            .map(|p| p.name)
+            .collect::<Vec<_>>()
+            .join(" | ")
     );
-
-    let rss = rss_kib(proxy_proc.0.id(), "VmHWM:");
-    println!(
-        "proxy peak RSS over the run (overload steps included): {} MiB",
-        rss.map_or("?".into(), |k| format!("{:.1}", k as f64 / 1024.0))
+    println!("|---|{}", "---:|".repeat(n));
+    let row = |label: &str, f: &dyn Fn(usize) -> String| {
+        let cells: Vec<String> = (0..n).map(f).collect();
+        println!("| {label} | {} |", cells.join(" | "));
+    };
+    row("closed loop, requests/s", &|i| {
+        format!("{:.0}", closed[i].0)
+    });
+    row("CPU per request, µs", &|i| show(closed[i].2, 1));
+    for (k, rate) in RATES.iter().enumerate() {
+        row(&format!("p50 / p99 at {rate}/s, ms"), &|i| {
+            format!("{:.3} / {:.3}", ms(open[i][k].0), ms(open[i][k].1))
+        });
+        row(&format!("added p99 at {rate}/s, ms"), &|i| {
+            if i == 0 {
+                "–".into()
+            } else {
+                format!("{:.3}", added(i, k))
+            }
+        });
+    }
+    row("SSE first byte p50 / p99, ms", &|i| {
+        format!("{:.3} / {:.3}", ms(sse[i].0), ms(sse[i].1))
+    });
+    row("highest rate, p99 < 5 ms", &|i| format!("{:.0}", best[i]));
+    row(
+        &format!("served / failed at {OVERLOAD_RATE}/s for 1 s"),
+        &|i| format!("{} / {}", overload[i].0, overload[i].2),
     );
-    drop(proxy_proc);
+    row("peak RSS, MiB", &|i| show(mib(peak[i]), 1));
+    println!();
+    for f in 1..proxy {
+        println!(
+            "proxy / {}: CPU per request {}×, closed-loop throughput {}×, peak RSS {}×",
+            paths[f].name,
+            show(ratio(closed[proxy].2, closed[f].2), 2),
+            show(Some(closed[proxy].0 / closed[f].0), 2),
+            show(ratio(mib(peak[proxy]), mib(peak[f])), 2),
+        );
+    }
 
+    let per_path: serde_json::Map<String, serde_json::Value> = paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let rates: serde_json::Map<String, serde_json::Value> = RATES
+                .iter()
+                .enumerate()
+                .map(|(k, rate)| {
+                    (
+                        format!("{rate}"),
+                        json!({
+                            "p50_ms": ms(open[i][k].0), "p99_ms": ms(open[i][k].1),
+                            "added_p99_ms": added(i, k), "errors": open[i][k].2,
+                        }),
+                    )
+                })
+                .collect();
+            (
+                p.name.to_owned(),
+                json!({
+                    "open_loop_json": rates,
+                    "sse_first_byte_p50_ms": ms(sse[i].0),
+                    "sse_first_byte_p99_ms": ms(sse[i].1),
+                    "sse_first_byte_added_p99_ms": ms(sse[i].1.saturating_sub(sse[0].1)),
+                    "sse_whole_stream_p99_ms": ms(sse[i].2),
+                    "sse_errors": sse[i].3,
+                    "max_rate_p99_under_5ms": best[i],
+                    "overload": {"rate": OVERLOAD_RATE, "served": overload[i].0,
+                                 "p99_ms": ms(overload[i].1), "errors": overload[i].2},
+                    "closed_loop_64_rps": closed[i].0,
+                    "closed_loop_errors": closed[i].1,
+                    "cpu_us_per_request": closed[i].2,
+                    "peak_rss_mib": mib(peak[i]),
+                    "peak_rss_before_overload_mib": mib(steady[i]),
+                }),
+            )
+        })
+        .collect();
     let report = json!({
         "machine_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "open_loop_json_1000rps": {
-            "direct_p50_ms": ms(d50), "direct_p99_ms": ms(d99),
-            "proxy_p50_ms": ms(p50), "proxy_p99_ms": ms(p99),
-            "added_p50_ms": ms(added50), "added_p99_ms": ms(added99),
-            "errors_direct": d.errors, "errors_proxy": p.errors,
-            "generator_lag_p99_ms": ms(lag99),
-        },
-        "open_loop_sse_1000rps": {
-            "first_byte_direct_p50_ms": ms(df50), "first_byte_direct_p99_ms": ms(df99),
-            "first_byte_proxy_p50_ms": ms(pf50), "first_byte_proxy_p99_ms": ms(pf99),
-            "first_byte_added_p50_ms": ms(pf50.saturating_sub(df50)),
-            "first_byte_added_p99_ms": ms(pf99.saturating_sub(df99)),
-            "errors_direct": ds.errors, "errors_proxy": ps.errors,
-        },
-        "max_rate_p99_under_5ms": {"direct": best[0], "proxy": best[1]},
-        "closed_loop_64": {"direct_rps": drps, "proxy_rps": prps, "ratio": ratio,
-                            "proxy_cpu_us_per_request": cpu_per_request_us,
-                            "errors_direct": derr, "errors_proxy": perr},
-        "proxy_peak_rss_mib": rss.map(|k| k as f64 / 1024.0),
-        "proxy_peak_rss_after_1000rps_mib": steady_peak.map(|k| k as f64 / 1024.0),
+        "generator_lag_p99_ms": lags.iter().map(|l| ms(*l)).collect::<Vec<_>>(),
+        "paths": per_path,
     });
     let out = dir.join("proxy.json");
     std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json")).expect("write");

@@ -28,7 +28,8 @@ pub struct Config {
     /// anything is sent. Defaults to 32 MiB (Anthropic's own request limit).
     pub max_body_bytes: usize,
     /// Requests handled at once, from the end of their body to the end of their response; one
-    /// more is refused at once with `503` and `Retry-After: 1` (never queued). A request whose
+    /// more is refused at once with `503` and `Retry-After: 1` (never queued; on HTTP/1 with
+    /// `connection: close`, the connection closed with the answer). A request whose
     /// body is still arriving holds no slot (`body_timeout_secs` and
     /// `max_buffered_body_bytes` bound it instead). Defaults to 512.
     pub max_concurrent_requests: usize,
@@ -39,7 +40,8 @@ pub struct Config {
     /// The request-body bytes the proxy holds at once, over every request being read or
     /// served (a body is held until its response ends: the retry loop may send it again). A
     /// request whose declared `content-length` is over what is left, or a body that grows past
-    /// it while read, is refused with `503` and `Retry-After: 1`, nothing sent upstream.
+    /// it while read, is refused with `503` and `Retry-After: 1` (on HTTP/1 with
+    /// `connection: close`), nothing sent upstream.
     /// Must be at least `max_body_bytes`. Defaults to 8 × `max_body_bytes` (256 MiB).
     pub max_buffered_body_bytes: Option<usize>,
     /// Client connections open at once. At the cap, a new connection takes the place of the

@@ -193,7 +193,8 @@ impl Activity {
     pub(crate) fn begin(self: &Arc<Self>) -> Open {
         self.started.fetch_add(1, Ordering::SeqCst);
         self.open.fetch_add(1, Ordering::SeqCst);
-        self.changed.notify_one();
+        // No notification: a request in flight never ends the idle wait, only its end does
+        // (`Open::drop`). One here woke the connection's task for nothing on every request.
         let waiting = Arc::new(Waiting::default());
         let mut responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
         responses.retain(|w| w.strong_count() > 0);

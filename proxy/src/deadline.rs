@@ -5,14 +5,19 @@
 
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::forward::CLIENT_DEADLINE;
+use crate::forward::{CLIENT_DEADLINE, CLIENT_DEADLINE_NAME};
 
 /// The official Python SDKs' read timeout, in seconds (OpenAI's and Anthropic's).
 pub const SDK_READ_TIMEOUT: &str = "x-stainless-read-timeout";
 /// Anthropic's Python SDK's timeout, in seconds.
 pub const SDK_TIMEOUT: &str = "x-stainless-timeout";
+/// The two SDK headers as names, parsed once.
+const SDK_TIMEOUT_NAMES: [HeaderName; 2] = [
+    HeaderName::from_static(SDK_READ_TIMEOUT),
+    HeaderName::from_static(SDK_TIMEOUT),
+];
 
 /// The longest deadline a header may state: anything above a day is a mistake, not a wish.
 const LONGEST: f64 = 86_400.0;
@@ -52,15 +57,15 @@ fn seconds(value: &HeaderValue) -> Option<Duration> {
 /// `honour_sdk`, the SDKs' `x-stainless-read-timeout` and `x-stainless-timeout` (theirs:
 /// a value that is not a deadline is ignored; a request is never refused for them).
 pub fn requested(headers: &HeaderMap, honour_sdk: bool) -> Result<Option<Duration>, String> {
-    let ours = match headers.get(CLIENT_DEADLINE) {
+    let ours = match headers.get(CLIENT_DEADLINE_NAME) {
         None => None,
         Some(v) => Some(seconds(v).ok_or_else(|| {
             format!("{CLIENT_DEADLINE} must be a number of seconds above 0 and at most 86400")
         })?),
     };
     let sdk = honour_sdk.then(|| {
-        [SDK_READ_TIMEOUT, SDK_TIMEOUT]
-            .into_iter()
+        SDK_TIMEOUT_NAMES
+            .iter()
             .filter_map(|name| headers.get(name).and_then(seconds))
             .min()
     });

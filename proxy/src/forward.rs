@@ -2,17 +2,19 @@
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-/// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1), plus `host`,
-/// which the client sets from the upstream URL.
-const HOP_BY_HOP: &[HeaderName] = &[
-    header::CONNECTION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHORIZATION,
-    header::PROXY_AUTHENTICATE,
-    header::HOST,
+/// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1), `keep-alive`
+/// and `proxy-connection`, plus `host`, which the client sets from the upstream URL.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "host",
+    "keep-alive",
+    "proxy-connection",
 ];
 
 /// Request headers that are the proxy's own and are stripped before forwarding.
@@ -26,21 +28,48 @@ pub const CLIENT_TOKEN: &str = "x-llm-retry-token";
 /// The official SDKs' attempt counter: above 0, the client is retrying the proxy.
 pub const SDK_RETRY_COUNT: &str = "x-stainless-retry-count";
 
+/// The header names below, parsed once: a lookup by `&str` parses the name on every call.
+pub(crate) const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+/// Azure OpenAI's credential header.
+pub(crate) const API_KEY: HeaderName = HeaderName::from_static("api-key");
+/// [`RETRY_SWITCH`] as a header name.
+pub(crate) const RETRY_SWITCH_NAME: HeaderName = HeaderName::from_static(RETRY_SWITCH);
+/// [`RETRY_POLICY`] as a header name.
+pub(crate) const RETRY_POLICY_NAME: HeaderName = HeaderName::from_static(RETRY_POLICY);
+/// [`CLIENT_DEADLINE`] as a header name.
+pub(crate) const CLIENT_DEADLINE_NAME: HeaderName = HeaderName::from_static(CLIENT_DEADLINE);
+/// [`CLIENT_TOKEN`] as a header name.
+pub(crate) const CLIENT_TOKEN_NAME: HeaderName = HeaderName::from_static(CLIENT_TOKEN);
+/// [`SDK_RETRY_COUNT`] as a header name.
+pub(crate) const SDK_RETRY_COUNT_NAME: HeaderName = HeaderName::from_static(SDK_RETRY_COUNT);
+
 /// Removes hop-by-hop headers, those the `Connection` header names, and `keep-alive` /
 /// `proxy-connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+    // One pass over the handful of names the map holds finds the few to drop: a hashed
+    // removal of every hop-by-hop name, most of them absent, cost more on every request
+    // and every response.
+    let mut drop: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| HOP_BY_HOP.contains(&n.as_str()))
+        .cloned()
         .collect();
-    for name in HOP_BY_HOP.iter().chain(named.iter()) {
+    if drop.is_empty() {
+        return;
+    }
+    if drop.contains(&header::CONNECTION) {
+        drop.extend(
+            headers
+                .get_all(header::CONNECTION)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()),
+        );
+    }
+    for name in &drop {
         headers.remove(name);
     }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
 }
 
 /// The request headers to send upstream: the client's, less hop-by-hop headers and the
@@ -50,13 +79,13 @@ pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
     // Framing, like `transfer-encoding`: the client sets it from the body it sends, which is
     // the caller's bytes unless a layer changed one JSON value (`model`, `max_tokens`).
     headers.remove(header::CONTENT_LENGTH);
-    headers.remove(RETRY_SWITCH);
-    headers.remove(RETRY_POLICY);
-    headers.remove(CLIENT_DEADLINE);
-    headers.remove(CLIENT_TOKEN);
+    headers.remove(RETRY_SWITCH_NAME);
+    headers.remove(RETRY_POLICY_NAME);
+    headers.remove(CLIENT_DEADLINE_NAME);
+    headers.remove(CLIENT_TOKEN_NAME);
     if holds_keys {
         headers.remove(header::AUTHORIZATION);
-        headers.remove("x-api-key");
+        headers.remove(X_API_KEY);
     }
     headers
 }
@@ -64,7 +93,7 @@ pub fn request_headers(mut headers: HeaderMap, holds_keys: bool) -> HeaderMap {
 /// The credential a client presented: `x-llm-retry-token`, `x-api-key`, or the token of
 /// `authorization: Bearer …`, in that order.
 pub fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
-    let direct = [CLIENT_TOKEN, "x-api-key"]
+    let direct = [CLIENT_TOKEN_NAME, X_API_KEY]
         .into_iter()
         .flat_map(|n| headers.get_all(n))
         .map(HeaderValue::as_bytes);
@@ -90,6 +119,10 @@ pub fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
 /// slash or backslash (`%2f`, `%5c`), or a backslash. Forwarded raw, an upstream that
 /// normalises paths would resolve them.
 pub fn check_path(path: &str) -> Result<(), &'static str> {
+    // Most paths have no percent sign, backslash or dot: nothing to look at closer, nothing to copy.
+    if !path.bytes().any(|b| matches!(b, b'%' | b'\\' | b'.')) {
+        return Ok(());
+    }
     let lower = path.to_ascii_lowercase();
     if lower.contains("%2f") || lower.contains("%5c") || path.contains('\\') {
         return Err("the path has an encoded slash or a backslash");

@@ -2,7 +2,7 @@
 //! tests, never share counters), rendered at `/metrics`.
 
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -390,6 +390,23 @@ impl Metrics {
         out
     }
 
+    /// The per-request series of `upstream`, looked up once: each is made on its first use,
+    /// as [`request`](Self::request) makes its own, so the
+    /// exposition is the same.
+    pub(crate) fn series(&self, upstream: &str) -> Arc<UpstreamSeries> {
+        Arc::new(UpstreamSeries {
+            label: Up {
+                upstream: upstream.into(),
+            },
+            requests: self.requests.clone(),
+            attempts: self.attempts.clone(),
+            upstream_latency: self.upstream_latency.clone(),
+            ok: OnceLock::new(),
+            attempt: OnceLock::new(),
+            latency: OnceLock::new(),
+        })
+    }
+
     pub(crate) fn request(&self, upstream: &str, status: u16) {
         self.requests
             .get_or_create(&Req {
@@ -407,16 +424,6 @@ impl Metrics {
                 status: Outcome::ClientGone,
             })
             .inc();
-    }
-
-    pub(crate) fn attempt(&self, upstream: &str, latency: Duration) {
-        let up = Up {
-            upstream: upstream.into(),
-        };
-        self.attempts.get_or_create(&up).inc();
-        self.upstream_latency
-            .get_or_create(&up)
-            .observe(latency.as_secs_f64());
     }
 
     pub(crate) fn fallback(&self, upstream: &str) {
@@ -479,6 +486,54 @@ impl Metrics {
 
     pub(crate) fn buffered_body_bytes(&self) -> &Gauge {
         &self.buffered_body_bytes
+    }
+}
+
+/// One upstream's per-request series, held by the handler and the stack: the label is not
+/// made, hashed and looked up again on every request. Only `200`, the status nearly every
+/// request ends with, has its own handle; any other goes through the family.
+pub(crate) struct UpstreamSeries {
+    label: Up,
+    requests: Family<Req, Counter>,
+    attempts: Family<Up, Counter>,
+    upstream_latency: Family<Up, Histogram, fn() -> Histogram>,
+    ok: OnceLock<Counter>,
+    attempt: OnceLock<Counter>,
+    latency: OnceLock<Histogram>,
+}
+
+impl std::fmt::Debug for UpstreamSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamSeries")
+            .field("upstream", &self.label.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamSeries {
+    /// [`Metrics::request`] for this upstream.
+    pub(crate) fn request(&self, status: u16) {
+        let req = |status| Req {
+            upstream: self.label.upstream.clone(),
+            status: Outcome::Status(status),
+        };
+        if status == 200 {
+            self.ok
+                .get_or_init(|| self.requests.get_or_create(&req(200)).clone())
+                .inc();
+        } else {
+            self.requests.get_or_create(&req(status)).inc();
+        }
+    }
+
+    /// An attempt sent to this upstream, and how long it took to its response head.
+    pub(crate) fn attempt(&self, latency: Duration) {
+        self.attempt
+            .get_or_init(|| self.attempts.get_or_create(&self.label).clone())
+            .inc();
+        self.latency
+            .get_or_init(|| self.upstream_latency.get_or_create(&self.label).clone())
+            .observe(latency.as_secs_f64());
     }
 }
 

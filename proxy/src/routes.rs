@@ -10,6 +10,9 @@ use http::{HeaderMap, Uri};
 
 use crate::config::{Kind, Upstream};
 
+/// Anthropic's version header, which tells its requests apart on a shared path.
+const ANTHROPIC_VERSION: http::HeaderName = http::HeaderName::from_static("anthropic-version");
+
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
@@ -62,7 +65,7 @@ impl Routes {
         }
         let kind = well_known(path).or_else(|| {
             path.starts_with("/v1/").then(|| {
-                if headers.contains_key("anthropic-version") {
+                if headers.contains_key(ANTHROPIC_VERSION) {
                     Kind::Anthropic
                 } else {
                     Kind::OpenAi
@@ -82,7 +85,7 @@ impl Routes {
         if let Some(r) = self.resolve(uri, headers) {
             return self.kinds[r.upstream];
         }
-        well_known(uri.path()).unwrap_or(if headers.contains_key("anthropic-version") {
+        well_known(uri.path()).unwrap_or(if headers.contains_key(ANTHROPIC_VERSION) {
             Kind::Anthropic
         } else {
             Kind::OpenAi
@@ -91,7 +94,10 @@ impl Routes {
 }
 
 fn well_known(path: &str) -> Option<Kind> {
-    let under = |p: &str| path == p || path.starts_with(&format!("{p}/"));
+    let under = |p: &str| {
+        path.strip_prefix(p)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    };
     if under("/v1/messages") || under("/v1/complete") {
         Some(Kind::Anthropic)
     } else if under("/v1/chat/completions") || under("/v1/responses") || under("/v1/embeddings") {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -35,10 +35,13 @@ use crate::config::{Config, ConfigError, Kind, Preset, ResumeMode, Secret};
 use crate::conn;
 use crate::deadline;
 use crate::envelope::{self, Reject, StreamStyle};
-use crate::forward::{self, RETRY_POLICY, RETRY_SWITCH, SDK_RETRY_COUNT};
+use crate::forward::{
+    self, API_KEY, RETRY_POLICY, RETRY_POLICY_NAME, RETRY_SWITCH, RETRY_SWITCH_NAME,
+    SDK_RETRY_COUNT_NAME, X_API_KEY,
+};
 use crate::metrics::{reason_name, Metrics};
 use crate::routes::Routes;
-use crate::stack::{Peer, StackFactory, TenantId, Tenants, UpstreamHead};
+use crate::stack::{Peer, StackFactory, TenantId, TenantKeys, Tenants, UpstreamHead};
 
 /// Response header: how many attempts the proxy made upstream.
 pub const ATTEMPTS: &str = "x-llm-retry-attempts";
@@ -53,6 +56,16 @@ pub const UPSTREAM: &str = "x-llm-retry-upstream";
 /// Response header: every target a request went to, in order of first use, with its
 /// attempts (`upstream/model=attempts`, comma separated), when it took more than one attempt.
 pub const TARGETS: &str = "x-llm-retry-targets";
+
+/// The response headers above, and `x-should-retry`, as names parsed once: an insert by
+/// `&str` parses the name on every response.
+const ATTEMPTS_NAME: HeaderName = HeaderName::from_static(ATTEMPTS);
+const MODEL_NAME: HeaderName = HeaderName::from_static(MODEL);
+const FALLBACK_NAME: HeaderName = HeaderName::from_static(FALLBACK);
+const GAVE_UP_NAME: HeaderName = HeaderName::from_static(GAVE_UP);
+const UPSTREAM_NAME: HeaderName = HeaderName::from_static(UPSTREAM);
+const TARGETS_NAME: HeaderName = HeaderName::from_static(TARGETS);
+const SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
 /// How long a client may take to send a request's headers, and how long a new connection
 /// may stay silent before its first request.
@@ -92,7 +105,7 @@ struct State {
     limit: Arc<Semaphore>,
     body_budget: Arc<BodyBudget>,
     client_token: Option<[u8; 32]>,
-    salt: [u8; 16],
+    tenant_keys: TenantKeys,
     draining: AtomicBool,
 }
 
@@ -134,7 +147,6 @@ impl Proxy {
         let client_token = config
             .resolved_client_token()?
             .map(|t: Secret| Sha256::digest(t.expose().as_bytes()).into());
-        let salt: [u8; 16] = rand_salt();
         Ok(Proxy {
             state: Arc::new(State {
                 routes: Routes::new(&config.upstream),
@@ -153,7 +165,7 @@ impl Proxy {
                 factories,
                 metrics,
                 client_token,
-                salt,
+                tenant_keys: TenantKeys::new(),
                 draining: AtomicBool::new(false),
                 config,
             }),
@@ -432,18 +444,6 @@ where
     })
 }
 
-fn rand_salt() -> [u8; 16] {
-    // The salt only has to differ between processes; the std hasher's random keys do.
-    use std::hash::{BuildHasher, Hasher};
-    let mut out = [0u8; 16];
-    for chunk in out.chunks_mut(8) {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(std::process::id() as u64);
-        chunk.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    out
-}
-
 fn text(
     status: StatusCode,
     content_type: &'static str,
@@ -456,20 +456,38 @@ fn text(
     res
 }
 
+/// An overload answer that also closes its HTTP/1 connection: under overload every client
+/// connection kept open holds its buffers (some 20 KiB), so the ones refused give them back
+/// at once, and the memory stays bounded by the requests in flight rather than by every
+/// client that tried. (HTTP/2 has no such header; its streams share one connection.)
+fn closing(mut res: Response<ProxyBody>, version: http::Version) -> Response<ProxyBody> {
+    if version <= http::Version::HTTP_11 {
+        res.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    res
+}
+
 impl State {
-    fn busy(&self, kind: Kind) -> Response<ProxyBody> {
-        self.reject(
-            kind,
-            Reject::Busy,
-            "the proxy is handling as many requests as it is allowed to; retry shortly",
+    fn busy(&self, kind: Kind, version: http::Version) -> Response<ProxyBody> {
+        closing(
+            self.reject(
+                kind,
+                Reject::Busy,
+                "the proxy is handling as many requests as it is allowed to; retry shortly",
+            ),
+            version,
         )
     }
 
-    fn body_memory(&self, kind: Kind) -> Response<ProxyBody> {
-        self.reject(
-            kind,
-            Reject::BodyMemory,
-            "the request bodies this proxy holds leave no room for this one; retry shortly",
+    fn body_memory(&self, kind: Kind, version: http::Version) -> Response<ProxyBody> {
+        closing(
+            self.reject(
+                kind,
+                Reject::BodyMemory,
+                "the request bodies this proxy holds leave no room for this one; retry shortly",
+            ),
+            version,
         )
     }
 
@@ -578,11 +596,12 @@ impl State {
         let factory = &self.factories[route.upstream];
         let up = factory.upstream().clone();
         let kind = up.kind;
+        let version = req.version();
 
         // The slot is taken once the body is read (a body still arriving holds only its
         // bytes, which the body budget bounds); a proxy already full says so at once.
         if self.limit.available_permits() == 0 {
-            return self.busy(kind);
+            return self.busy(kind, version);
         }
         self.metrics.in_flight().inc();
         let _in_flight = InFlight(&self.metrics);
@@ -610,12 +629,16 @@ impl State {
             TenantId::PROXY
         } else {
             let h = req.headers();
-            let get = |n: &str| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
-            let (key, auth, azure) = (get("x-api-key"), get("authorization"), get("api-key"));
+            let get = |n: &HeaderName| h.get(n).map_or(&b""[..], HeaderValue::as_bytes);
+            let (key, auth, azure) = (
+                get(&X_API_KEY),
+                get(&http::header::AUTHORIZATION),
+                get(&API_KEY),
+            );
             if azure.is_empty() {
-                TenantId::of(&self.salt, &[key, auth])
+                TenantId::of(&self.tenant_keys, &[key, auth])
             } else {
-                TenantId::of(&self.salt, &[key, auth, b"api-key", azure])
+                TenantId::of(&self.tenant_keys, &[key, auth, b"api-key", azure])
             }
         };
 
@@ -635,7 +658,9 @@ impl State {
                     &format!("request body of {n} bytes is over this proxy's limit of {cap}"),
                 )
             }
-            Some(Some(n)) if n > self.body_budget.left() as u64 => return self.body_memory(kind),
+            Some(Some(n)) if n > self.body_budget.left() as u64 => {
+                return self.body_memory(kind, version)
+            }
             _ => {}
         }
         let (parts, body) = req.into_parts();
@@ -643,7 +668,7 @@ impl State {
         let body_deadline = gone.start.checked_add(self.config.body_timeout());
         let body = match read_body(body, cap, body_deadline, &mut reservation).await {
             Ok(b) => b,
-            Err(BodyError::OverBudget) => return self.body_memory(kind),
+            Err(BodyError::OverBudget) => return self.body_memory(kind, version),
             Err(BodyError::TooSlow) => {
                 return self.reject(
                     kind,
@@ -676,15 +701,11 @@ impl State {
             }
         };
         let Ok(permit) = self.limit.clone().try_acquire_owned() else {
-            return self.busy(kind);
+            return self.busy(kind, version);
         };
 
-        let base = up.url.trim_end_matches('/');
-        let uri = match format!("{base}{}", route.path_and_query).parse::<http::Uri>() {
-            Ok(u) => u,
-            Err(_) => {
-                return self.reject(kind, Reject::BadHeader, "the request target is not valid")
-            }
+        let Some(uri) = factory.upstream_uri(route.path_and_query) else {
+            return self.reject(kind, Reject::BadHeader, "the request target is not valid");
         };
         // Kept for a continuation only when this upstream resumes cut streams.
         let resume_body = up.resumes().then(|| body.clone());
@@ -732,8 +753,9 @@ impl State {
                         "the retry budget is spent: this client retry is not sent",
                     );
                     res.headers_mut()
-                        .insert("x-should-retry", HeaderValue::from_static("false"));
-                    res.headers_mut().insert(ATTEMPTS, HeaderValue::from(0u32));
+                        .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
+                    res.headers_mut()
+                        .insert(ATTEMPTS_NAME, HeaderValue::from(0u32));
                     return res;
                 }
             } else {
@@ -784,7 +806,8 @@ impl State {
                 // is then the proxy's 502, which the client can read, not a 200 that ends in
                 // a bare close. A stream's head goes out at once; its failure is the
                 // protocol's error event.
-                let body = if is_event_stream(&head.headers) {
+                let sse = is_event_stream(&head.headers);
+                let body = if sse {
                     body
                 } else {
                     let mut body = body;
@@ -827,18 +850,18 @@ impl State {
                 decorate(&mut head.headers, attempts, gave_up, mode);
                 let used = head.extensions.get::<ModelUsed>();
                 head.headers.insert(
-                    UPSTREAM,
+                    UPSTREAM_NAME,
                     factory.upstream_header(used.and_then(|u| u.upstream.as_ref())),
                 );
                 if let Some(used) = used {
                     if let Some(v) = targets_header(factory, used) {
-                        head.headers.insert(TARGETS, v);
+                        head.headers.insert(TARGETS_NAME, v);
                     }
                     if let Ok(v) = HeaderValue::from_str(&used.model) {
-                        head.headers.insert(MODEL, v);
+                        head.headers.insert(MODEL_NAME, v);
                     }
                     head.headers.insert(
-                        FALLBACK,
+                        FALLBACK_NAME,
                         HeaderValue::from_static(if used.is_fallback() { "true" } else { "false" }),
                     );
                     if used.is_fallback() {
@@ -851,11 +874,10 @@ impl State {
                     }
                 }
                 let status = head.status.as_u16();
-                let sse = is_event_stream(&head.headers);
                 // A stream is counted when it ends: by its status, or as `client_gone` when the
                 // client hangs up first.
                 if !sse {
-                    self.metrics.request(&up.name, status);
+                    factory.series().request(status);
                 }
                 tracing::info!(
                     method = %method,
@@ -874,7 +896,10 @@ impl State {
                 }
                 // The mode of the target that served: its own `resume`, else its upstream's.
                 let with = resume.and_then(|req| {
-                    let served = head.headers.get(UPSTREAM).and_then(|v| v.to_str().ok());
+                    let served = head
+                        .headers
+                        .get(UPSTREAM_NAME)
+                        .and_then(|v| v.to_str().ok());
                     let model = head.extensions.get::<ModelUsed>().map(|u| u.model.as_str());
                     let with = match up.resume_for(served.unwrap_or(&up.name), model.unwrap_or(""))
                     {
@@ -974,9 +999,9 @@ impl State {
                 };
                 let mut res = self.reject(kind, reject, &message);
                 let h = res.headers_mut();
-                h.insert(ATTEMPTS, HeaderValue::from(attempts));
+                h.insert(ATTEMPTS_NAME, HeaderValue::from(attempts));
                 if mode != Mode::Off && (retried || mode == Mode::ClientRetry) {
-                    h.insert("x-should-retry", HeaderValue::from_static("false"));
+                    h.insert(SHOULD_RETRY, HeaderValue::from_static("false"));
                 }
                 res
             }
@@ -1121,13 +1146,13 @@ fn targets_header(factory: &StackFactory, used: &ModelUsed) -> Option<HeaderValu
 
 /// The retry switch and preset a request asks for.
 fn retry_headers(headers: &HeaderMap) -> Result<(Mode, Option<Preset>), String> {
-    let mut mode = match headers.get(RETRY_SWITCH).map(|v| v.to_str()) {
+    let mut mode = match headers.get(RETRY_SWITCH_NAME).map(|v| v.to_str()) {
         None => Mode::Retry,
         Some(Ok(v)) if v.trim().eq_ignore_ascii_case("off") => Mode::Off,
         Some(Ok(v)) if v.trim().eq_ignore_ascii_case("on") => Mode::Retry,
         Some(_) => return Err(format!("{RETRY_SWITCH} must be \"on\" or \"off\"")),
     };
-    let preset = match headers.get(RETRY_POLICY).map(|v| v.to_str()) {
+    let preset = match headers.get(RETRY_POLICY_NAME).map(|v| v.to_str()) {
         None => None,
         Some(Ok(v)) => Some(Preset::from_name(v).ok_or_else(|| {
             format!(
@@ -1137,7 +1162,7 @@ fn retry_headers(headers: &HeaderMap) -> Result<(Mode, Option<Preset>), String> 
         Some(Err(_)) => return Err(format!("{RETRY_POLICY} is not valid text")),
     };
     let client_retrying = headers
-        .get(SDK_RETRY_COUNT)
+        .get(SDK_RETRY_COUNT_NAME)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u32>().ok())
         .is_some_and(|n| n > 0);
@@ -1151,11 +1176,11 @@ fn retry_headers(headers: &HeaderMap) -> Result<(Mode, Option<Preset>), String> 
 /// so an SDK that retries by itself does not multiply the attempts. A response the proxy
 /// chose not to retry keeps the upstream's own hint.
 fn decorate(headers: &mut HeaderMap, attempts: u32, gave_up: Option<GiveUpReason>, mode: Mode) {
-    headers.insert(ATTEMPTS, HeaderValue::from(attempts));
+    headers.insert(ATTEMPTS_NAME, HeaderValue::from(attempts));
     let Some(reason) = gave_up else {
         return;
     };
-    headers.insert(GAVE_UP, HeaderValue::from_static(reason_name(reason)));
+    headers.insert(GAVE_UP_NAME, HeaderValue::from_static(reason_name(reason)));
     let exhausted = matches!(
         reason,
         GiveUpReason::MaxRetries
@@ -1165,7 +1190,7 @@ fn decorate(headers: &mut HeaderMap, attempts: u32, gave_up: Option<GiveUpReason
             | GiveUpReason::PacingWaitTooLong
     );
     if exhausted && mode != Mode::Off {
-        headers.insert("x-should-retry", HeaderValue::from_static("false"));
+        headers.insert(SHOULD_RETRY, HeaderValue::from_static("false"));
     }
 }
 

@@ -26,7 +26,6 @@ use hyper_util::rt::TokioExecutor;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use rustls::RootCertStore;
-use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneSyncService;
@@ -39,7 +38,7 @@ use tower_llm_retry::{
 };
 
 use crate::config::{load_keys, ConfigError, Kind, Roots, Upstream};
-use crate::metrics::{Metrics, Observer};
+use crate::metrics::{Metrics, Observer, UpstreamSeries};
 
 /// The body of an upstream response, boxed once the stack's layers have wrapped it.
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -193,6 +192,10 @@ pub struct StackFactory {
     names: Arc<[(Uri, Arc<str>, HeaderValue)]>,
     /// This upstream's name as a header value, made once.
     header: HeaderValue,
+    /// This upstream's request series, looked up once.
+    series: Arc<UpstreamSeries>,
+    /// The upstream URL's scheme, authority and path (no trailing slash), parsed once.
+    base: Option<(Scheme, Authority, String)>,
 }
 
 impl std::fmt::Debug for StackFactory {
@@ -237,7 +240,17 @@ impl StackFactory {
             .into_iter()
             .filter_map(|(uri, name)| Some((uri, name.clone(), header(&name)?)))
             .collect();
+        let base = upstream.url.parse::<Uri>().ok().and_then(|uri| {
+            if uri.query().is_some() {
+                return None;
+            }
+            let path = uri.path().trim_end_matches('/').to_owned();
+            let parts = uri.into_parts();
+            Some((parts.scheme?, parts.authority?, path))
+        });
         Ok(StackFactory {
+            base,
+            series: metrics.series(&upstream.name),
             holds_keys: own.pool.is_some(),
             header: header(&upstream.name)
                 .ok_or_else(|| ConfigError::from_message("an upstream name is not ASCII"))?,
@@ -278,6 +291,32 @@ impl StackFactory {
         self.stack.clone()
     }
 
+    /// The upstream URL with `path_and_query` after its path; `None` when that is not a URI.
+    pub(crate) fn upstream_uri(&self, path_and_query: String) -> Option<Uri> {
+        match &self.base {
+            // The usual case, an upstream URL without a path: the parts are put together,
+            // and only the request's own path and query are parsed.
+            Some((scheme, authority, path))
+                if path.is_empty() && path_and_query.starts_with('/') =>
+            {
+                let mut parts = http::uri::Parts::default();
+                parts.scheme = Some(scheme.clone());
+                parts.authority = Some(authority.clone());
+                parts.path_and_query = Some(path_and_query.try_into().ok()?);
+                Uri::from_parts(parts).ok()
+            }
+            _ => {
+                let base = self.upstream.url.trim_end_matches('/');
+                format!("{base}{path_and_query}").parse().ok()
+            }
+        }
+    }
+
+    /// The upstream's request series.
+    pub(crate) fn series(&self) -> &UpstreamSeries {
+        &self.series
+    }
+
     /// The upstream's fleet: a scope per tenant.
     pub fn fleet(&self) -> &Fleet {
         &self.fleet
@@ -299,13 +338,13 @@ fn tenant_key(
             return;
         }
         let h = &parts.headers;
-        let get = |n: &str| h.get(n).map_or(&b""[..], http::HeaderValue::as_bytes);
-        key.credential(get("x-api-key"))
+        let get = |n: &HeaderName| h.get(n).map_or(&b""[..], http::HeaderValue::as_bytes);
+        key.credential(get(&crate::forward::X_API_KEY))
             .credential(b"\n")
-            .credential(get("authorization"));
+            .credential(get(&http::header::AUTHORIZATION));
         // Azure OpenAI's header; written only when sent, so the other tenants' names (and
         // their Redis keys) are as they were.
-        let azure = get("api-key");
+        let azure = get(&crate::forward::API_KEY);
         if !azure.is_empty() {
             key.credential(b"\napi-key: ").credential(azure);
         }
@@ -320,10 +359,12 @@ struct Route {
     prefix: String,
     client: HttpClient,
     name: Arc<str>,
+    /// The upstream's attempt series, looked up once.
+    series: Arc<UpstreamSeries>,
 }
 
 impl Route {
-    fn new(peer: &Peer) -> Result<Self, ConfigError> {
+    fn new(peer: &Peer, metrics: &Metrics) -> Result<Self, ConfigError> {
         let bad = || {
             ConfigError::from_message(format!(
                 "[[upstream]] {:?}: url is not a URL with a scheme and host",
@@ -338,6 +379,7 @@ impl Route {
             prefix: uri.path().trim_end_matches('/').to_owned(),
             client: peer.client.clone(),
             name: Arc::from(peer.upstream.name.as_str()),
+            series: metrics.series(&peer.upstream.name),
         })
     }
 
@@ -391,7 +433,7 @@ fn build(
     };
     // The chain: a model on this upstream, or one on a peer, sent to that peer's URL with
     // that peer's keys (when the proxy holds them: then it holds this upstream's too).
-    let mut routes = vec![Route::new(own)?];
+    let mut routes = vec![Route::new(own, metrics)?];
     let mut names: Vec<(Uri, Arc<str>)> = Vec::new();
     let mut chain = Vec::with_capacity(up.fallback.len());
     for t in &up.fallback {
@@ -406,7 +448,7 @@ fn build(
             // carries this upstream's own path already: a target on an upstream with the
             // same path gets its scheme and host only.
             let own_path = routes[0].prefix.clone();
-            let route = Route::new(peer)?;
+            let route = Route::new(peer, metrics)?;
             let base = if own_path.is_empty() {
                 peer.upstream.url.trim_end_matches('/').to_owned()
             } else if route.prefix == own_path {
@@ -435,19 +477,17 @@ fn build(
     }
     let routes = Routes(routes.into());
     let timed = {
-        let metrics = metrics.clone();
         tower::service_fn(move |req: Request<ReplayBody>| {
             // `request` borrows the client only to start: no clone per attempt.
             let route = routes.pick(req.uri());
             let start = Instant::now();
             let sent = route.client.request(req);
-            let metrics = metrics.clone();
-            let name = route.name.clone();
+            let series = route.series.clone();
             async move {
                 let res = sent.await;
                 let took = start.elapsed();
                 // Counted under the upstream that received the attempt.
-                metrics.attempt(&name, took);
+                series.attempt(took);
                 let mut res = res.map_err(BoxError::from)?;
                 res.extensions_mut().insert(UpstreamHead(took));
                 Ok::<_, BoxError>(res.map(|b| b.map_err(BoxError::from).boxed_unsync()))
@@ -524,24 +564,42 @@ where
     )
 }
 
-/// Which tenant a request belongs to: a salted SHA-256 of its credential headers. The key
-/// itself is never kept.
+/// Which tenant a request belongs to: a keyed hash of its credential headers, 128 bits from
+/// two SipHash keys drawn at random when the process starts. The key itself is never kept,
+/// and without the hash keys no one can make two credentials share a tenant. (A SHA-256 of
+/// the credential cost more than the rest of the handler's own work, on every request.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TenantId([u8; 32]);
+pub struct TenantId([u8; 16]);
+
+/// The secret keys a [`TenantId`] is made with: random, different in every process.
+#[derive(Clone, Debug, Default)]
+pub struct TenantKeys([std::collections::hash_map::RandomState; 2]);
+
+impl TenantKeys {
+    /// Two fresh random keys.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
 
 impl TenantId {
     /// The tenant of the proxy's own keys (every client of a key-holding upstream).
-    pub const PROXY: TenantId = TenantId([0; 32]);
+    pub const PROXY: TenantId = TenantId([0; 16]);
 
     /// The tenant of a request carrying these credential header values.
-    pub fn of(salt: &[u8; 16], credentials: &[&[u8]]) -> TenantId {
-        let mut h = Sha256::new();
-        h.update(salt);
-        for c in credentials {
-            h.update((c.len() as u64).to_be_bytes());
-            h.update(c);
+    pub fn of(keys: &TenantKeys, credentials: &[&[u8]]) -> TenantId {
+        use std::hash::{BuildHasher, Hasher};
+        let mut out = [0u8; 16];
+        for (key, half) in keys.0.iter().zip(out.chunks_mut(8)) {
+            let mut h = key.build_hasher();
+            for c in credentials {
+                // Length-prefixed, so that the values' boundaries are part of the name.
+                h.write_u64(c.len() as u64);
+                h.write(c);
+            }
+            half.copy_from_slice(&h.finish().to_le_bytes());
         }
-        TenantId(h.finalize().into())
+        TenantId(out)
     }
 }
 

@@ -234,3 +234,51 @@ async fn an_http2_stream_the_client_does_not_read_is_cut_at_the_write_timeout() 
     assert_eq!(h.messages(MESSAGES).await.status(), 200);
     drop(res);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_overload_answer_closes_its_connection_at_once() {
+    let h = std::sync::Arc::new(
+        start_with(
+            Script::always(Reply::success().delay(Duration::from_secs(10))),
+            |c| c.max_concurrent_requests = 1,
+        )
+        .await,
+    );
+    // One request holds the one slot for 10 s.
+    let slow = {
+        let h = h.clone();
+        tokio::spawn(async move { h.messages(MESSAGES).await.status() })
+    };
+    while h.mock.request_count() < 1 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The next is refused with 503 and Retry-After at once, and its connection closes with
+    // the answer: a refused client does not keep its buffers in the proxy.
+    let mut s = TcpStream::connect(h.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         anthropic-version: 2023-06-01\r\nx-api-key: sk-client\r\ncontent-length: {}\r\n\r\n{MESSAGES}",
+        MESSAGES.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3600), s.read_to_end(&mut out))
+        .await
+        .expect("the connection ends")
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let answer = String::from_utf8_lossy(&out).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("\r\nretry-after: 1\r\n"), "{answer}");
+    assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+    assert!(answer.contains("overloaded_error"), "{answer}");
+    // Nothing went upstream for it, and the request in flight is served.
+    assert_eq!(h.mock.request_count(), 1);
+    assert_eq!(slow.await.unwrap(), 200);
+    assert_eq!(h.messages(MESSAGES).await.status(), 200);
+}
