@@ -215,7 +215,7 @@ pub(crate) struct Pacer {
     // When the warm-up may end, if no one waits then: set by its first attempt.
     warm_until: std::sync::OnceLock<Instant>,
     // The factor a warm-up woken by a burst of refusals fell by, for the fleet's shared
-    // schedule to fall by too (taken by the refusal's report).
+    // schedule to fall by too (taken as the wake is told to the store).
     wake_factor: Mutex<Option<f64>>,
     // While dormant: the attempts sent, and samples of that count, for the rate to wake at.
     dormant_sends: AtomicU64,
@@ -634,8 +634,8 @@ impl Pacer {
         }
     }
 
-    /// The factor a warm-up woken by a burst of refusals fell by, once: for the report of
-    /// that refusal to the fleet's shared schedule.
+    /// The factor a warm-up woken by a burst of refusals fell by, once: for the fleet's
+    /// shared schedule to fall by too.
     pub(crate) fn take_wake_factor(&self) -> Option<f64> {
         self.wake_factor
             .lock()

@@ -1028,8 +1028,7 @@ impl Fleet {
         if self.pacer().is_some_and(Pacer::is_warming) && !slowed_elsewhere {
             return;
         }
-        let factor = self.pacer().and_then(Pacer::take_wake_factor);
-        if self.inner.store.paced_refusal(epoch, factor) {
+        if self.inner.store.paced_refusal(epoch, None) {
             return;
         }
         if let Some(p) = self.pacer() {
@@ -1112,6 +1111,10 @@ impl Fleet {
                 };
                 if let Some((cause, admitted)) = cause {
                     pacer.wake_on_refusal(wait, cause, admitted);
+                    // The fleet's schedule falls as this process's pacing did.
+                    if let Some(factor) = pacer.take_wake_factor() {
+                        self.inner.store.woke(factor);
+                    }
                 }
             }
             if let Some(limit) = counts.limit() {

@@ -192,6 +192,22 @@ impl Store {
         true
     }
 
+    /// This process's pacing woke on evidence of a limit, the server having admitted
+    /// `factor` of its attempts: the shared schedule is told, when there is one.
+    pub(crate) fn woke(&self, factor: f64) {
+        match self {
+            Store::Local => {
+                let _ = factor;
+            }
+            #[cfg(feature = "fleet-redis")]
+            Store::Redis(link) => {
+                if link.paces() {
+                    link.woke(factor);
+                }
+            }
+        }
+    }
+
     /// Whether no attempt of this process waits for a turn of the shared schedule (always,
     /// when there is none).
     pub(crate) fn line_is_empty(&self) -> bool {

@@ -8,7 +8,7 @@ use crate::common::*;
 use http::StatusCode;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
-use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, RedisFleet, RedisState};
+use tower_llm_retry::fleet::{BudgetConfig, Fleet, GateConfig, PacingWake, RedisFleet, RedisState};
 use tower_llm_retry::mock::{MockServer, Reply, Script};
 use tower_llm_retry::retry::{GiveUpReason, Jitter, Retry};
 use tower_llm_retry::{RetryLayer, RetryPolicy, RetryTrail};
@@ -1656,4 +1656,54 @@ async fn the_shared_bucket_is_lowered_to_what_the_server_says_is_left() {
     let longest = waited.iter().max().copied().unwrap_or_default();
     assert!(longest >= Duration::from_secs(2), "{waited:?}");
     assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+/// Two processes warming a new scope up on one schedule meet a limit: the first to see the
+/// evidence brings the fleet's schedule down to the share of it the server admitted (not by
+/// half, then 5 % a round), so the seconds after the wake hold about the capacity's worth
+/// of attempts.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn a_warm_up_woken_by_a_limit_brings_the_fleets_schedule_down_at_once() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(
+        Script::new().capacity(tower_llm_retry::mock::Capacity::token_bucket(20.0, 20)),
+    )
+    .await
+    .unwrap();
+    let fleets: Vec<Fleet> = (0..2)
+        .map(|_| {
+            Fleet::builder()
+                .budget(None)
+                .pacing(Some(
+                    tower_llm_retry::fleet::PacingConfig::new().warm_up(Duration::from_secs(3)),
+                ))
+                .redis(patient(store(&redis)))
+                .build()
+        })
+        .collect();
+    all_connected(&fleets).await;
+    let stacks: Vec<_> = fleets
+        .iter()
+        .map(|f| stack(f, policy().max_retries(30)))
+        .collect();
+    let origin = tokio::time::Instant::now();
+    at_once(&stacks, &server, 60).await;
+    let per_second: Vec<usize> = (0..5)
+        .map(|i| {
+            server
+                .requests()
+                .iter()
+                .filter(|r| (r.received_at - origin).as_secs() == i)
+                .count()
+        })
+        .collect();
+    // Evidence comes in the second second (a bucket of 20 that starts full admits most of
+    // the first); the two after it hold 52–54 attempts for 40 admitted. Falling by half
+    // and 5 % a round, 76.
+    let after = per_second[2] + per_second[3];
+    assert!(after <= 60, "{per_second:?}");
+    for f in &fleets {
+        assert_eq!(f.pacing_state(), Some(Some(PacingWake::RefusalShare)));
+    }
 }

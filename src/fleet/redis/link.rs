@@ -46,6 +46,8 @@ pub(super) struct Shared {
     pub(super) line_wake: Notify,
     /// The fleet's pacing rate as last read (f64 bits; 0: not known).
     pub(super) rate: AtomicU64,
+    /// The epoch of the fleet's schedule as last read (0: none yet).
+    pub(super) epoch: AtomicU64,
     /// Successes to report with the next reservation; a refusal (the highest epoch) and a
     /// stated limit (f64 bits of its rate) to report.
     pub(super) successes: AtomicU64,
@@ -115,6 +117,7 @@ impl Link {
             line: Mutex::default(),
             line_wake: Notify::new(),
             rate: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
             successes: AtomicU64::new(0),
             refusal: Mutex::new(None),
             stated: AtomicU64::new(0),
@@ -340,6 +343,15 @@ impl Link {
     /// reservation, at no round trip of its own.
     pub(crate) fn paced_success(&self) {
         self.shared.successes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// This process's pacing woke on evidence of a limit, with the share of its attempts the
+    /// server admitted: the fleet's schedule, if still in slow start, falls to that share of
+    /// its rate, whichever line the refused attempt had its turn from (the local one, while
+    /// the link was not yet in touch, would report nothing to it).
+    pub(crate) fn woke(&self, factor: f64) {
+        let epoch = self.shared.epoch.load(Ordering::Relaxed);
+        self.paced_refusal(epoch, Some(factor));
     }
 
     /// An attempt that had a turn of the fleet's schedule in `epoch` was refused for load.

@@ -141,6 +141,7 @@ pub(super) async fn reserve_slots(shared: Arc<Shared>) {
             continue;
         };
         shared.learnt_rate(rate);
+        shared.epoch.fetch_max(epoch, Ordering::Relaxed);
         let mut again = Vec::new();
         for (w, (code, wait)) in batch.into_iter().zip(slots) {
             let wait = Duration::from_micros(wait);
