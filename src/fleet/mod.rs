@@ -64,8 +64,9 @@
 //! # Pacing by tokens
 //!
 //! Providers limit tokens per minute as well as requests, and say so on every answer
-//! (Anthropic: input, output and both together; OpenAI: one token limit, read as both
-//! together; see [the headers](#rate-limit-headers)). For requests with large prompts the
+//! (Anthropic: input and output, and the most restrictive of its token limits, read only
+//! where neither of the others is stated; OpenAI: one token limit, read as both together;
+//! see [the headers](#rate-limit-headers)). For requests with large prompts the
 //! token limit is the one met first, well inside the request limit. The token pacing
 //! ([`TokenPacingConfig`], on by default and dormant) keeps a scope under it:
 //!

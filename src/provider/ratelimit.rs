@@ -136,16 +136,19 @@ impl<'a> RequestCounts<'a> {
     }
 }
 
-/// Which of a provider's token limits: Anthropic states input tokens per minute (ITPM),
-/// output tokens per minute (OTPM) and both together; OpenAI states one token limit, which
-/// counts the prompt and the `max_tokens` asked for, read as [`Combined`](TokenKind::Combined).
+/// Which of a provider's token limits: Anthropic states input tokens per minute (ITPM) and
+/// output tokens per minute (OTPM), and in `anthropic-ratelimit-tokens-*` the most
+/// restrictive of its token limits in effect (read only where it states neither of the
+/// other two, as both together: the safe side); OpenAI states one token limit, which counts
+/// the prompt and the `max_tokens` asked for, read as [`Combined`](TokenKind::Combined).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TokenKind {
     /// Input tokens: `anthropic-ratelimit-input-tokens-*`.
     Input,
     /// Output tokens: `anthropic-ratelimit-output-tokens-*`.
     Output,
-    /// Input and output together: `anthropic-ratelimit-tokens-*`, `x-ratelimit-*-tokens`.
+    /// Input and output together: `x-ratelimit-*-tokens`, and
+    /// `anthropic-ratelimit-tokens-*` where no input or output window is stated.
     Combined,
 }
 
@@ -211,14 +214,20 @@ impl TokenHeaders {
         let raw = counts
             .tokens
             .map(|kinds| kinds.map(|parts| parts.map(|v| v.map(|v| value_str(v).unwrap_or("")))));
+        // Anthropic's `anthropic-ratelimit-tokens-*` state the most restrictive of its token
+        // limits in effect, not a window of their own: beside its input and output windows
+        // they are not read (as a window of input and output together, a prompt would be
+        // charged against the output limit when that is the tighter one).
+        let anthropic_split = raw[0][0][0].is_some() || raw[0][1][0].is_some();
         let mut found = TokenHeaders::default();
         for (k, w) in found.windows.iter_mut().enumerate() {
+            let first = usize::from(k == TokenKind::Combined.index() && anthropic_split);
             let pick = |part: usize, parse: &dyn Fn(usize, &str) -> Option<u64>| {
-                (0..2).find_map(|p| raw[p][k][part].and_then(|v| parse(p, v)))
+                (first..2).find_map(|p| raw[p][k][part].and_then(|v| parse(p, v)))
             };
             w.limit = pick(0, &|_, v| parse_count(v).filter(|&n| n > 0));
             w.remaining = pick(1, &|_, v| parse_count(v));
-            w.reset = (0..2).find_map(|p| {
+            w.reset = (first..2).find_map(|p| {
                 let v = raw[p][k][2]?;
                 match p {
                     0 => parse_rfc3339(v)
@@ -831,9 +840,20 @@ mod tests {
             }
         );
         assert_eq!(t.window(TokenKind::Output).reset, Some(Duration::ZERO));
-        assert_eq!(t.window(TokenKind::Combined).reset, ms(1500));
+        // Beside the input and output windows, `tokens-*` (the most restrictive of them) is
+        // no window of its own.
+        assert_eq!(*t.window(TokenKind::Combined), TokenWindow::default());
         assert!(t.states_a_limit());
         assert_eq!(t.exhausted(), None);
+        // Alone, it is read as input and output together (the safe side).
+        let h = headers(&[
+            ("anthropic-ratelimit-tokens-limit", "2400000"),
+            ("anthropic-ratelimit-tokens-remaining", "2399000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-01-01T00:00:01.5Z"),
+        ]);
+        let t = TokenHeaders::read(&h, now);
+        assert_eq!(t.window(TokenKind::Combined).limit, Some(2_400_000));
+        assert_eq!(t.window(TokenKind::Combined).reset, ms(1500));
         let h = headers(&[
             ("x-ratelimit-limit-requests", "10000"),
             ("x-ratelimit-limit-tokens", "30000000"),

@@ -2263,11 +2263,26 @@ async fn the_default_fleets_read_outs_report_its_scopes_after_traffic() {
     assert_eq!(fleet.gate_closings(), Some(1));
 }
 
-/// A fleet kept per scope whose dormant pacing warms a new scope up for `warm_up`.
-fn warming_fleet(warm_up: Duration) -> Fleet {
-    Fleet::builder()
-        .pacing(Some(PacingConfig::new().warm_up(warm_up)))
-        .build()
+/// A stack in front of `server` whose fleet's dormant pacing warms a new scope up for 3 s,
+/// its fleet, the URL and the scope of `sk-ant-key-a`.
+fn warming_stack(
+    server: &MockServer,
+) -> (
+    tower_llm_retry::retry::Retry<HttpClient>,
+    Fleet,
+    String,
+    Fleet,
+) {
+    let fleet = Fleet::builder()
+        .pacing(Some(PacingConfig::new().warm_up(Duration::from_secs(3))))
+        .build();
+    let svc = RetryLayer::new()
+        .policy(exact())
+        .fleet(fleet.clone())
+        .layer(http_client());
+    let url = server.url("/v1/messages");
+    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    (svc, fleet, url, scope)
 }
 
 /// `n` requests of `key` sent together at `svc`: their statuses, in the order they end.
@@ -2297,13 +2312,7 @@ where
 #[tokio::test(start_paused = true)]
 async fn a_warm_up_spaces_a_new_scopes_first_burst_then_sleeps() {
     let server = MockServer::start(Script::new()).await.unwrap();
-    let fleet = warming_fleet(Duration::from_secs(3));
-    let svc = RetryLayer::new()
-        .policy(exact())
-        .fleet(fleet.clone())
-        .layer(http_client());
-    let url = server.url("/v1/messages");
-    let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+    let (svc, fleet, url, scope) = warming_stack(&server);
     let origin = Instant::now();
     let statuses = together(&svc, &url, "sk-ant-key-a", 50).await;
     assert!(statuses.iter().all(|s| *s == StatusCode::OK));
@@ -2393,13 +2402,7 @@ async fn a_random_429_during_the_warm_up_neither_wakes_nor_slows_it() {
             (noisy && n.fetch_add(1, Ordering::SeqCst) == 2).then(|| Reply::status(429))
         });
         let server = MockServer::start(script).await.unwrap();
-        let fleet = warming_fleet(Duration::from_secs(3));
-        let svc = RetryLayer::new()
-            .policy(exact())
-            .fleet(fleet.clone())
-            .layer(http_client());
-        let url = server.url("/v1/messages");
-        let scope = fleet.scope_for(&with_key(&url, "sk-ant-key-a"));
+        let (svc, _, url, scope) = warming_stack(&server);
         let origin = Instant::now();
         let statuses = together(&svc, &url, "sk-ant-key-a", 40).await;
         assert!(statuses.iter().all(|s| *s == StatusCode::OK));
