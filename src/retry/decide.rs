@@ -595,6 +595,24 @@ where
         }
     }
 
+    /// The request gives up: its turn (or its tokens) would come later than it may wait.
+    /// The error carries the trail; the observer hears of it when a retry was made.
+    pub(super) fn pacing_wait_too_long(
+        &mut self,
+        refused: impl std::error::Error + Send + Sync + 'static,
+    ) -> Error {
+        self.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
+        let trail = self.finished_trail();
+        if self.retries > 0 {
+            if let Some(observer) = &self.config.observer {
+                observer.on_give_up(&trail);
+            }
+        }
+        Error::new(ErrorKind::PacingWaitTooLong)
+            .with_source(refused)
+            .with_trail(trail)
+    }
+
     pub(super) fn finished_trail(&mut self) -> RetryTrail {
         let mut trail = std::mem::take(&mut self.trail);
         trail.set_total_attempts(self.sent);

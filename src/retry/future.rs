@@ -18,7 +18,7 @@ use super::peek::{poll_peek, Peek, PeekState, Reply};
 use super::NotReplaySafe;
 use crate::body::{Held, PrepareBody, ReplayBody};
 use crate::classify::Classify;
-use crate::error::{BoxError, Error, ErrorKind, GiveUpReason, RetryTrail, TimedOut, TimeoutKind};
+use crate::error::{BoxError, Error, ErrorKind, RetryTrail, TimedOut, TimeoutKind};
 use crate::fleet::{Cost, GateWait, PastDeadline, Ticket, TokenTicket};
 use crate::pipeline::body::{IdleTimer, Peeked, RetryBody};
 use crate::pipeline::{AttemptContext, HttpResponse, Link, ResBodyOf, Said};
@@ -469,15 +469,7 @@ where
                         }
                         Err(refused) => {
                             this.state.set(State::Done);
-                            ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
-                            let trail = ctx.finished_trail();
-                            if ctx.retries > 0 {
-                                if let Some(observer) = &ctx.config.observer {
-                                    observer.on_give_up(&trail);
-                                }
-                            }
-                            let err = Error::new(ErrorKind::PacingWaitTooLong).with_source(refused);
-                            return Poll::Ready(Err(err.with_trail(trail)));
+                            return Poll::Ready(Err(ctx.pacing_wait_too_long(refused)));
                         }
                     }
                 }
@@ -500,15 +492,7 @@ where
                         // The turn would come later than this request may wait.
                         Err(refused) => {
                             this.state.set(State::Done);
-                            ctx.trail.set_gave_up(GiveUpReason::PacingWaitTooLong);
-                            let trail = ctx.finished_trail();
-                            if ctx.retries > 0 {
-                                if let Some(observer) = &ctx.config.observer {
-                                    observer.on_give_up(&trail);
-                                }
-                            }
-                            let err = Error::new(ErrorKind::PacingWaitTooLong).with_source(refused);
-                            return Poll::Ready(Err(err.with_trail(trail)));
+                            return Poll::Ready(Err(ctx.pacing_wait_too_long(refused)));
                         }
                     }
                 }

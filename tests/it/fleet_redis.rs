@@ -1471,11 +1471,9 @@ async fn one_subscription_per_store_brings_a_closing_to_every_scope_well_before_
     assert!(gone.is_some(), "{} subscribers", subscribers(&redis));
 }
 
-#[tokio::test]
-#[ignore = "needs redis-server; run as the README's Tests say"]
-async fn a_warm_up_paces_the_first_burst_of_every_process_on_the_fleets_one_schedule() {
-    let redis = RedisServer::start();
-    let server = MockServer::start(Script::new()).await.unwrap();
+/// Two fleets on `redis`, no budget, their dormant pacing warming a new scope up for 3 s;
+/// once both are in touch.
+async fn warming_fleets(redis: &RedisServer) -> Vec<Fleet> {
     let fleets: Vec<Fleet> = (0..2)
         .map(|_| {
             Fleet::builder()
@@ -1483,11 +1481,20 @@ async fn a_warm_up_paces_the_first_burst_of_every_process_on_the_fleets_one_sche
                 .pacing(Some(
                     tower_llm_retry::fleet::PacingConfig::new().warm_up(Duration::from_secs(3)),
                 ))
-                .redis(patient(store(&redis)))
+                .redis(patient(store(redis)))
                 .build()
         })
         .collect();
     all_connected(&fleets).await;
+    fleets
+}
+
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn a_warm_up_paces_the_first_burst_of_every_process_on_the_fleets_one_schedule() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(Script::new()).await.unwrap();
+    let fleets = warming_fleets(&redis).await;
     let stacks: Vec<_> = fleets.iter().map(|f| stack(f, policy())).collect();
     let origin = tokio::time::Instant::now();
     at_once(&stacks, &server, 30).await;
@@ -1671,18 +1678,7 @@ async fn a_warm_up_woken_by_a_limit_brings_the_fleets_schedule_down_at_once() {
     )
     .await
     .unwrap();
-    let fleets: Vec<Fleet> = (0..2)
-        .map(|_| {
-            Fleet::builder()
-                .budget(None)
-                .pacing(Some(
-                    tower_llm_retry::fleet::PacingConfig::new().warm_up(Duration::from_secs(3)),
-                ))
-                .redis(patient(store(&redis)))
-                .build()
-        })
-        .collect();
-    all_connected(&fleets).await;
+    let fleets = warming_fleets(&redis).await;
     let stacks: Vec<_> = fleets
         .iter()
         .map(|f| stack(f, policy().max_retries(30)))
