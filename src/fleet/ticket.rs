@@ -38,11 +38,6 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
-    /// Ready with the pacing epoch once the turn has come (the ticket is then used up), or
-    /// with the refusal once it is known that the turn would come after the ticket's bound:
-    /// on joining, when the wait expected at the rate of the moment is longer; at the head,
-    /// when its instant is later; behind others, when the bound comes. The ticket has then
-    /// left the line.
     /// The turn came: a warm-up counts the attempt as it goes, for the share of refusals a
     /// burst shows (counted on joining, those queued behind would dilute it).
     fn sent(&self) {
@@ -51,6 +46,11 @@ impl Ticket {
         }
     }
 
+    /// Ready with the pacing epoch once the turn has come (the ticket is then used up), or
+    /// with the refusal once it is known that the turn would come after the ticket's bound:
+    /// on joining, when the wait expected at the rate of the moment is longer; at the head,
+    /// when its instant is later; behind others, when the bound comes. The ticket has then
+    /// left the line.
     pub(crate) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<u64, PacingRefused>> {
         if let Some(remote) = &mut self.remote {
             let outcome = std::task::ready!(remote.poll(cx));
