@@ -82,7 +82,9 @@
 //!   is sent: its input tokens from the input bucket, the output it may produce from the
 //!   output bucket, both from the combined one. A request waits for its tokens, then for its
 //!   request-pacing turn: a turn is not spent waiting for tokens. What the server says is
-//!   left lowers a bucket (it counts every client of the limit), never raises it.
+//!   left lowers a bucket (it counts every client of the limit), never raises it; it is taken
+//!   as a count made when the attempt it answers was sent, refilled since, less the tokens
+//!   taken since (the server had not seen those requests).
 //! - **Settled by the answer**: a success's usage, read from its body as it goes to the
 //!   caller (`usage.input_tokens` plus `cache_creation_input_tokens`, or `prompt_tokens`;
 //!   `output_tokens` or `completion_tokens`; in a JSON answer, or in a stream's first and
@@ -131,10 +133,14 @@
 //! bookings keep their arrival order) and sleeps locally until they are in hand; the usage
 //! gives back in the background. Redis counts only the fleet's bookings, the server every
 //! client of the limit: a booking carries what the server last said is left (refilled to
-//! now), and the shared bucket is lowered to it, as each process lowers its own. A booking
-//! Redis does not answer within its deadline takes this process's bucket instead. Each
-//! process wakes on its own answers. Key: `…:tokens` (a hash: each kind's theoretical
-//! arrival time on Redis's clock).
+//! now) and when, and the shared bucket is lowered to it less what the fleet booked since
+//! then (those the server had not counted), as each process lowers its own. So a process
+//! whose first requests went before it knew the limit, unbooked, is caught up with by its
+//! first booking, whichever process made the bucket. A booking Redis does not answer within
+//! its deadline takes this process's bucket instead. Each process wakes on its own
+//! answers. Keys: `…:tokens` (a hash: each kind's theoretical arrival time on Redis's
+//! clock, and its running total of bookings) and `…:tokens-log` (a sorted set: the last
+//! 2 s of bookings, by the time their tokens were in hand).
 //!
 //! # Sharing
 //!
@@ -1069,6 +1075,7 @@ impl Fleet {
         retry_after: Option<Duration>,
         limits: Limits<'_>,
         named: Option<TokenKind>,
+        sent_at: Instant,
     ) {
         let ceiling = limits.retry_after_max;
         // A Retry-After above the ceiling of a policy that ignores it (as the official SDKs
@@ -1091,7 +1098,7 @@ impl Fleet {
         if let Some(tokens) = self.tokens().filter(|_| refusal || counts.states_tokens()) {
             let now = || crate::classify::headers::server_now(&head.headers);
             let headers = crate::provider::ratelimit::TokenHeaders::of(&counts, now);
-            tokens.observe(&headers, refusal, named);
+            tokens.observe(&headers, refusal, named, sent_at);
         }
         // Pacing: a 429 that shows a limit the scope's rate meets wakes a dormant pacing
         // (random 429s and overloads do not: see the module docs); a stated request limit

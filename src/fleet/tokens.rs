@@ -173,8 +173,11 @@ pub(crate) struct TokenArg {
     pub(crate) amount: f64,
     pub(crate) start: f64,
     /// What the server last said is left, refilled to now, when it said so since the last
-    /// booking: the store's bucket is lowered to it, as this process's is.
+    /// booking: the store's bucket is lowered to it, as this process's is, less what the
+    /// fleet booked since the server said so.
     pub(crate) floor: Option<f64>,
+    /// How long ago the server said so.
+    pub(crate) floor_age: Duration,
 }
 
 /// A booking's parts, by kind (`None`: the kind is not paced).
@@ -389,6 +392,44 @@ fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(Duration::from_secs(24 * 60 * 60))
 }
 
+/// How long the tokens a process took are remembered by when: an answer's count, made when
+/// its attempt was sent, is taken as of then (an answer comes well within this).
+const TAKEN_FOR: Duration = Duration::from_secs(2);
+
+/// The most takes remembered: at a higher rate, less than [`TAKEN_FOR`] is.
+const TAKEN_MOST: usize = 256;
+
+/// The tokens one kind's bucket gave out: their running total, and the total after each
+/// take of the last [`TAKEN_FOR`].
+#[derive(Default)]
+struct Taken {
+    total: f64,
+    /// The total after the newest take forgotten.
+    base: f64,
+    log: VecDeque<(Instant, f64)>,
+}
+
+impl Taken {
+    fn record(&mut self, now: Instant, amount: f64) {
+        self.total += amount;
+        while let Some(&(at, total)) = self.log.front() {
+            if now.saturating_duration_since(at) <= TAKEN_FOR && self.log.len() < TAKEN_MOST {
+                break;
+            }
+            self.base = total;
+            self.log.pop_front();
+        }
+        self.log.push_back((now, self.total));
+    }
+
+    /// What was taken after `at`: not in a count the server made then. For an `at` older
+    /// than the takes remembered, those remembered only.
+    fn since(&self, at: Instant) -> f64 {
+        let before = self.log.iter().rev().find(|(t, _)| *t <= at);
+        self.total - before.map_or(self.base, |&(_, total)| total)
+    }
+}
+
 /// One request in the line.
 struct Waiter {
     ticket: u64,
@@ -408,6 +449,8 @@ struct State {
     woken_by: Option<TokenWake>,
     /// What the server last said is left, and when, not yet told to the store.
     told: [Option<(f64, Instant)>; 3],
+    /// What each bucket gave out, by when.
+    taken: [Taken; 3],
     next_ticket: u64,
     /// Head-of-line order: only the first may take tokens.
     line: VecDeque<Waiter>,
@@ -459,6 +502,7 @@ impl TokenPacer {
                 buckets: [None; 3],
                 woken_by: None,
                 told: [None; 3],
+                taken: Default::default(),
                 next_ticket: 0,
                 line: VecDeque::new(),
             }),
@@ -489,8 +533,15 @@ impl TokenPacer {
     }
 
     /// What an answer said: its token headers, and, for a `429`, the token limit it named
-    /// (`named`: from its body's message). `refusal`: the answer is a `429`.
-    pub(crate) fn observe(&self, headers: &TokenHeaders, refusal: bool, named: Option<TokenKind>) {
+    /// (`named`: from its body's message). `refusal`: the answer is a `429`. `sent_at`: when
+    /// the attempt it answers was sent, which its count is taken as of.
+    pub(crate) fn observe(
+        &self,
+        headers: &TokenHeaders,
+        refusal: bool,
+        named: Option<TokenKind>,
+        sent_at: Instant,
+    ) {
         for kind in TokenKind::ALL {
             if let Some(limit) = headers.window(kind).limit {
                 self.stated[kind.index()].store(limit, Ordering::Relaxed);
@@ -507,10 +558,16 @@ impl TokenPacer {
         let now = Instant::now();
         let period = self.config.period;
         let mut s = self.lock();
+        let State {
+            buckets,
+            told,
+            taken,
+            ..
+        } = &mut *s;
         for kind in TokenKind::ALL {
             let w = headers.window(kind);
             let k = kind.index();
-            if let Some(b) = &mut s.buckets[k] {
+            if let Some(b) = &mut buckets[k] {
                 b.refill_to(now);
                 if let Some(limit) = w.limit {
                     let capacity = limit as f64;
@@ -519,10 +576,14 @@ impl TokenPacer {
                     b.refill = capacity / period.as_secs_f64();
                 }
                 // The server's count takes in every client of the limit; ours, the requests
-                // admitted that it has not counted yet. The lower of the two.
+                // admitted that it has not counted yet: the lower of the two. The server's
+                // is of when the attempt was sent: refilled since, less what this process
+                // took since.
                 if let Some(left) = w.remaining {
-                    b.level = b.level.min(left as f64);
-                    s.told[k] = Some((left as f64, now));
+                    let age = now.saturating_duration_since(sent_at).as_secs_f64();
+                    let counted = (left as f64 + age * b.refill).min(b.capacity);
+                    b.level = b.level.min(counted - taken[k].since(sent_at));
+                    told[k] = Some((left as f64, sent_at));
                 }
             }
         }
@@ -564,6 +625,9 @@ impl TokenPacer {
                 Some(_) => {}
                 None => {
                     s.buckets[k] = Some(Bucket::new(limit, period, left, now));
+                    // The store may hold a bucket made from another process's count,
+                    // which did not see this one's requests so far.
+                    s.told[k] = Some((left, sent_at));
                     woke = true;
                 }
             }
@@ -599,7 +663,12 @@ impl TokenPacer {
     pub(crate) fn poll_admit(&self, ticket: u64, waker: &Waker) -> Admit {
         let now = Instant::now();
         let mut s = self.lock();
-        let State { buckets, line, .. } = &mut *s;
+        let State {
+            buckets,
+            line,
+            taken,
+            ..
+        } = &mut *s;
         let Some(pos) = line.iter().position(|w| w.ticket == ticket) else {
             return Admit::Go;
         };
@@ -654,7 +723,9 @@ impl TokenPacer {
         }
         for kind in TokenKind::ALL {
             if let Some(b) = &mut buckets[kind.index()] {
-                b.level -= b.need(cost.of(kind));
+                let need = b.need(cost.of(kind));
+                b.level -= need;
+                taken[kind.index()].record(now, need);
             }
         }
         line.pop_front();
@@ -710,10 +781,10 @@ impl TokenPacer {
                     None => told[kind.index()].take(),
                     Some(_) => None,
                 };
-                let floor = told.map(|(left, at)| {
-                    let since = now.saturating_duration_since(at).as_secs_f64();
-                    (left + since * b.refill).min(b.capacity)
-                });
+                let floor_age =
+                    told.map_or(Duration::ZERO, |(_, at)| now.saturating_duration_since(at));
+                let floor = told
+                    .map(|(left, _)| (left + floor_age.as_secs_f64() * b.refill).min(b.capacity));
                 let amount = match give {
                     None => b.need(cost.of(kind)),
                     Some(usage) => b.need(cost.of(kind)) - usage.cost(cost).of(kind) as f64,
@@ -724,6 +795,7 @@ impl TokenPacer {
                     amount,
                     start: b.level,
                     floor,
+                    floor_age,
                 });
             }
         }
@@ -970,20 +1042,20 @@ mod tests {
             ("anthropic-ratelimit-input-tokens-limit", "60000"),
             ("anthropic-ratelimit-input-tokens-remaining", "50000"),
         ]);
-        p.observe(&stated, false, None);
+        p.observe(&stated, false, None, Instant::now());
         assert!(!p.is_awake());
         let request_429 = headers(&[
             ("anthropic-ratelimit-requests-remaining", "0"),
             ("anthropic-ratelimit-input-tokens-limit", "60000"),
             ("anthropic-ratelimit-input-tokens-remaining", "50000"),
         ]);
-        p.observe(&request_429, true, None);
+        p.observe(&request_429, true, None, Instant::now());
         assert!(!p.is_awake());
         let token_429 = headers(&[
             ("anthropic-ratelimit-input-tokens-limit", "60000"),
             ("anthropic-ratelimit-input-tokens-remaining", "0"),
         ]);
-        p.observe(&token_429, true, None);
+        p.observe(&token_429, true, None, Instant::now());
         assert_eq!(p.woken_by(), Some(TokenWake::TokenRefusal));
         let b = p.stats().bucket(TokenKind::Input).unwrap();
         assert_eq!(
@@ -992,13 +1064,13 @@ mod tests {
         );
         // A refusal states what is left: the bucket starts there.
         let p = TokenPacer::new(TokenPacingConfig::new());
-        p.observe(&stated, true, Some(TokenKind::Input));
+        p.observe(&stated, true, Some(TokenKind::Input), Instant::now());
         assert_eq!(p.stats().bucket(TokenKind::Input).unwrap().level, 50_000.0);
         assert!(p.stats().bucket(TokenKind::Output).is_none());
         // A message alone names the limit too.
         let p = TokenPacer::new(TokenPacingConfig::new());
-        p.observe(&stated, false, None);
-        p.observe(&headers(&[]), true, Some(TokenKind::Input));
+        p.observe(&stated, false, None, Instant::now());
+        p.observe(&headers(&[]), true, Some(TokenKind::Input), Instant::now());
         assert!(p.is_awake());
         // Nearly spent wakes it at what is left.
         let p = TokenPacer::new(TokenPacingConfig::new());
@@ -1009,9 +1081,58 @@ mod tests {
             ]),
             false,
             None,
+            Instant::now(),
         );
         assert_eq!(p.woken_by(), Some(TokenWake::NearlySpent));
         assert_eq!(p.stats().bucket(TokenKind::Input).unwrap().level, 6000.0);
+    }
+
+    /// An answer's count is of when its attempt was sent: refilled since, less what was
+    /// taken since (the requests admitted after it, which the server had not seen), before
+    /// the bucket is lowered to it. A count older than the takes remembered takes off those
+    /// remembered.
+    #[tokio::test(start_paused = true)]
+    async fn an_answers_count_is_of_when_its_attempt_was_sent() {
+        let p = TokenPacer::new(TokenPacingConfig::new().dormant(false));
+        let said = |left: &str| {
+            headers(&[
+                ("anthropic-ratelimit-input-tokens-limit", "60000"),
+                ("anthropic-ratelimit-input-tokens-remaining", left),
+            ])
+        };
+        p.observe(&said("60000"), false, None, Instant::now());
+        let level = || p.stats().bucket(TokenKind::Input).unwrap().level;
+        assert_eq!(level(), 60_000.0);
+        let take = |input| {
+            let t = p.join(Cost {
+                input,
+                output: 0,
+                shared: false,
+            });
+            assert_eq!(p.poll_admit(t, Waker::noop()), Admit::Go);
+        };
+        // An attempt is sent; 100 ms later two more take 10,000 each.
+        let sent = Instant::now();
+        take(5_000);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        take(10_000);
+        take(10_000);
+        assert_eq!(level(), 35_100.0);
+        // Its answer (another client spent 20,000): 35,000 left when it was sent, 200 tokens
+        // refilled since, and the 20,000 taken since are not in it: 15,200.
+        tokio::time::advance(Duration::from_millis(100)).await;
+        p.observe(&said("35000"), false, None, sent);
+        assert_eq!(level(), 15_200.0);
+        // A count newer than every take: only the refill since.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let now = Instant::now();
+        p.observe(&said("10000"), false, None, now);
+        assert_eq!(level(), 10_000.0);
+        // Past the takes remembered (2 s): those remembered, the one since.
+        tokio::time::advance(Duration::from_secs(3)).await;
+        take(1_000);
+        p.observe(&said("5000"), false, None, now);
+        assert_eq!(level(), 5_000.0 + 3_000.0 - 1_000.0);
     }
 
     /// Head of line: a large request at the head is not passed by the small ones behind it;
@@ -1026,6 +1147,7 @@ mod tests {
             ]),
             true,
             None,
+            Instant::now(),
         );
         let w = Waker::noop();
         let big = p.join(Cost {
@@ -1096,6 +1218,7 @@ mod tests {
             ]),
             true,
             None,
+            Instant::now(),
         );
         let w = Waker::noop();
         let cost = |input| Cost {

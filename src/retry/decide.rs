@@ -57,6 +57,8 @@ pub(super) struct Ctx<S, C> {
     // The head timeout of the attempt in flight, reckoned when it starts (cut to the
     // deadline), as the companion layers are told it.
     pub(super) attempt_head_timeout: Option<Duration>,
+    // When the attempt in flight was sent: the server's count in its answer is of then.
+    pub(super) sent_at: Instant,
     // Fleet: the state of this request's scope, when the fleet keeps one per scope.
     pub(super) scoped: Option<Fleet>,
     // Fleet: the request's cost in tokens, once the token pacing asked for it, and what the
@@ -264,6 +266,7 @@ where
                 c.retry_after(),
                 self.policy().fleet_limits_for(self.retries + 1),
                 named,
+                self.sent_at,
             );
         }
         match answer {

@@ -217,6 +217,7 @@ where
                 link,
                 resends: 0,
                 attempt_head_timeout: None,
+                sent_at: started,
                 scoped,
                 tokens: None,
             },
@@ -601,6 +602,7 @@ where
         // follow, and on the last attempt too, for a companion layer's re-send.
         let (mut parts, body) = self.held.send(self.resend != Resend::Never).into_parts();
         self.attempt_head_timeout = self.head_timeout();
+        self.sent_at = Instant::now();
         // What the companions said of the last send was taken when it ended.
         let links = &self.config.links;
         let link = self.link.get_or_insert_with(|| links.take()).clone();

@@ -1616,6 +1616,57 @@ async fn two_fleets_on_one_redis_take_their_tokens_from_one_bucket() {
     assert!(lowest < 10_000.0, "{lowest}");
 }
 
+/// A process spends before it knows the limit (its first answer states it): those tokens
+/// were never booked. The server counts at arrival and answers 300 ms later, as a model
+/// does after its output. A's first booking makes the shared bucket from what A was told,
+/// 12,000 tokens too many (B's spend). B's first booking, while A's is on its way, carries
+/// what B was told less what the fleet booked since (A's 5,000): the bucket comes down to the
+/// server's count, and ten requests of 5,000 into the 48,000 or so left all go without a
+/// `429`, the last after about two seconds. Without taking off what was booked since, B's
+/// floor lowers the bucket only to 5,000 above the server's count: the last is refused.
+#[tokio::test]
+#[ignore = "needs redis-server; run as the README's Tests say"]
+async fn a_process_that_spent_before_it_knew_the_limit_is_caught_up_with_by_its_first_booking() {
+    let redis = RedisServer::start();
+    let server = MockServer::start(
+        Script::always(Reply::success().delay(Duration::from_millis(300))).capacity(
+            tower_llm_retry::mock::Capacity::input_tokens_per_minute(60_000),
+        ),
+    )
+    .await
+    .unwrap();
+    let fleets = [token_fleet(&redis), token_fleet(&redis)];
+    all_connected(&fleets).await;
+    let [a, b] = [stack(&fleets[0], policy()), stack(&fleets[1], policy())];
+    let send = |svc: &Retry<HttpClient>, chars| svc.clone().oneshot(token_request(&server, chars));
+    // A learns the limit (250 tokens), then B (12,000, unbooked): 47,750 left.
+    drop(body_bytes(send(&a, 1_000).await.unwrap()).await);
+    drop(body_bytes(send(&b, 48_000).await.unwrap()).await);
+    // Ten of 5,000: A's first alone, the rest once it has reached the server.
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(send(&a, 20_000));
+    let arrived = within(Duration::from_secs(2), || server.request_count() == 3).await;
+    assert!(arrived.is_some());
+    for i in 1..10 {
+        tasks.spawn(send([&a, &b][i % 2], 20_000));
+    }
+    let mut waited = Vec::new();
+    while let Some(res) = tasks.join_next().await {
+        let res = res.unwrap().unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let trail = res.extensions().get::<RetryTrail>().cloned();
+        assert_eq!(trail.as_ref().map_or(0, |t| t.retries()), 0, "{trail:?}");
+        waited.extend(trail.and_then(|t| t.token_wait()));
+        drop(body_bytes(res).await);
+    }
+    assert_eq!(server.request_count(), 12);
+    // The last waited for the 2,000 or so tokens short (less what came in meanwhile).
+    let longest = waited.iter().max().copied().unwrap_or_default();
+    assert!(longest >= Duration::from_secs(1), "{waited:?}");
+    assert!(start.elapsed() < Duration::from_secs(8));
+}
+
 /// Redis counts only the fleet's bookings; the server counts every client of the limit. A
 /// client outside the fleet spends most of the bucket: the next booking carries what the
 /// server last said was left, the shared bucket is lowered to it, and the fleet's two

@@ -359,6 +359,7 @@ struct Keys {
     procs: String,
     pace: String,
     tokens: String,
+    tokens_log: String,
     channel: String,
 }
 
@@ -371,6 +372,7 @@ impl Keys {
             procs: k("procs"),
             pace: k("pace"),
             tokens: k("tokens"),
+            tokens_log: k("tokens-log"),
             channel: k("gate-closed"),
         }
     }

@@ -79,11 +79,12 @@ impl Link {
             return None;
         }
         let mut conn = s.conn.get()?.clone();
-        let (script, key, args) = (s.tokens.clone(), s.keys.tokens.clone(), *args);
+        let (script, args) = (s.tokens.clone(), *args);
+        let (key, log) = (s.keys.tokens.clone(), s.keys.tokens_log.clone());
         let timeout = s.call_timeout;
         Some(Box::pin(async move {
             let mut inv = script.prepare_invoke();
-            inv.key(&key).arg(op).arg(ms(max_wait));
+            inv.key(&key).key(&log).arg(op).arg(ms(max_wait));
             for a in args {
                 match a {
                     Some(a) => inv
@@ -91,8 +92,9 @@ impl Link {
                         .arg(a.refill / 1e3)
                         .arg(a.amount)
                         .arg(a.start)
-                        .arg(a.floor.unwrap_or(-1.0)),
-                    None => inv.arg(0).arg(0).arg(0).arg(0).arg(-1),
+                        .arg(a.floor.unwrap_or(-1.0))
+                        .arg(a.floor_age.as_secs_f64() * 1e3),
+                    None => inv.arg(0).arg(0).arg(0).arg(0).arg(-1).arg(0),
                 };
             }
             let call = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
