@@ -45,9 +45,12 @@ pub struct Config {
     /// Must be at least `max_body_bytes`. Defaults to 8 × `max_body_bytes` (256 MiB).
     pub max_buffered_body_bytes: Option<usize>,
     /// Client connections open at once. At the cap, a new connection takes the place of the
-    /// oldest one that has not sent a request yet; with none such, it is closed at once. The
-    /// cap is kept at half the soft file-descriptor limit at most (the other half is for
-    /// upstream connections), lowered with a warning if set higher. Defaults to 4,096.
+    /// oldest one that has not sent a request yet, else of the one idle longest (nothing in
+    /// flight; closed gracefully); with none such, it is closed at once. The cap bounds the
+    /// proxy's memory (about 20 KiB a connection); at twice `max_concurrent_requests` a new
+    /// client is not refused while a connection is idle. It is kept at half the soft
+    /// file-descriptor limit at most (the other half is for upstream connections), lowered
+    /// with a warning if set higher. Defaults to 1,024.
     pub max_connections: usize,
     /// How long a client connection may stay open with no request in flight, after its first
     /// request (HTTP/2: `GOAWAY`, then closed). Defaults to 30 s.
@@ -107,7 +110,7 @@ impl Default for Config {
             max_concurrent_requests: 512,
             body_timeout_secs: 60,
             max_buffered_body_bytes: None,
-            max_connections: 4096,
+            max_connections: 1024,
             connection_idle_timeout_secs: 30,
             http2_keep_alive_secs: 20,
             write_timeout_secs: 30,

@@ -159,6 +159,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteTimeout<T> {
 pub(crate) struct Activity {
     started: AtomicU64,
     open: AtomicUsize,
+    /// When its last request in flight ended, in the order of [`IDLE_ORDER`].
+    idle_since: AtomicU64,
     changed: Notify,
     /// Told when the connection cap needs this connection's place.
     pub(crate) evict: Notify,
@@ -182,7 +184,18 @@ impl Waiting {
     }
 }
 
+/// The order in which connections fell idle, across every connection of the process: a
+/// count, so the one idle longest is exact whatever the clock.
+static IDLE_ORDER: AtomicU64 = AtomicU64::new(0);
+
 impl Activity {
+    /// Since when the connection has had nothing in flight, in the order connections fell
+    /// idle (lower: longer); `None` while a request is in flight or before its first.
+    pub(crate) fn idle_since(&self) -> Option<u64> {
+        (self.served() && self.open.load(Ordering::SeqCst) == 0)
+            .then(|| self.idle_since.load(Ordering::Relaxed))
+    }
+
     /// Whether the connection has made a request yet.
     pub(crate) fn served(&self) -> bool {
         self.started.load(Ordering::SeqCst) > 0
@@ -255,6 +268,10 @@ pub(crate) struct Open {
 impl Drop for Open {
     fn drop(&mut self) {
         if self.activity.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.activity.idle_since.store(
+                IDLE_ORDER.fetch_add(1, Ordering::Relaxed),
+                Ordering::Relaxed,
+            );
             self.activity.changed.notify_one();
         }
     }

@@ -311,9 +311,13 @@ impl Proxy {
                             tracing::debug!("connection cut: a response waited too long for the client to read");
                             break;
                         }
-                        () = activity.evict.notified() => {
+                        () = activity.evict.notified(), if !closing => {
                             tracing::debug!("connection closed: its place went to a new one");
-                            break;
+                            if !activity.served() {
+                                break;
+                            }
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
                         }
                         _ = stop.changed(), if !closing => {
                             conn.as_mut().graceful_shutdown();
@@ -346,10 +350,14 @@ impl Proxy {
     }
 }
 
-/// A place under the connection cap for a new connection: a free one, else the place of the
-/// oldest connection that has not sent a request yet (it is told to close), else none. A
-/// connection that sent nothing is the cheapest to lose and the likeliest to be hostile; the
-/// ones serving requests, and new clients such as health checks, keep being served.
+/// A place under the connection cap for a new connection: a free one, else the place of
+/// the oldest connection that has not sent a request yet, else that of the connection idle
+/// longest (between requests, nothing in flight), else none. The one chosen is told to close:
+/// at once for one that sent nothing (the cheapest to lose and the likeliest to be hostile),
+/// gracefully for an idle one, which an HTTP/1 client's pool reopens when it needs it. The
+/// connections serving requests, and new clients such as health checks, keep being served;
+/// the cap bounds memory (hyper keeps about 20 KiB of buffers per connection for its life)
+/// without refusing a client while idle connections hold the places.
 async fn admit(
     slots: &Arc<Semaphore>,
     accepted: &mut VecDeque<Arc<conn::Activity>>,
@@ -357,11 +365,16 @@ async fn admit(
     if let Ok(slot) = slots.clone().try_acquire_owned() {
         return Some(slot);
     }
-    accepted.retain(|a| Arc::strong_count(a) > 1 && !a.served());
-    let victim = accepted.pop_front()?;
+    accepted.retain(|a| Arc::strong_count(a) > 1);
+    let at = accepted.iter().position(|a| !a.served()).or_else(|| {
+        let idle = accepted.iter().enumerate();
+        let idle = idle.filter_map(|(i, a)| Some((a.idle_since()?, i)));
+        idle.min().map(|(_, i)| i)
+    })?;
+    let victim = accepted.remove(at)?;
     victim.evict.notify_one();
     drop(victim);
-    // Its task ends at once and gives the place back.
+    // Its task ends (an idle HTTP/1 connection at once) and gives the place back.
     tokio::time::timeout(Duration::from_secs(1), slots.clone().acquire_owned())
         .await
         .ok()?

@@ -108,9 +108,22 @@ async fn an_http2_connection_with_a_stream_open_is_not_idle() {
     drop(send);
 }
 
+/// Writes a Messages request on `s` without reading its answer.
+async fn post_messages(s: &mut TcpStream) {
+    let head = format!(
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         anthropic-version: 2023-06-01\r\nx-api-key: sk-client\r\ncontent-length: {}\r\n\r\n",
+        MESSAGES.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(MESSAGES.as_bytes()).await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
-async fn at_the_connection_cap_a_silent_connection_gives_its_place_else_a_new_one_is_closed() {
-    let h = start_with(Script::always(Reply::success()), |c| c.max_connections = 3).await;
+async fn at_the_connection_cap_a_silent_then_an_idle_connection_gives_its_place_else_a_new_one_is_closed(
+) {
+    let slow = Reply::success().delay(Duration::from_secs(10));
+    let h = start_with(Script::always(slow), |c| c.max_connections = 3).await;
     // Three connections that say nothing fill the cap.
     let mut silent = Vec::new();
     for _ in 0..3 {
@@ -127,20 +140,46 @@ async fn at_the_connection_cap_a_silent_connection_gives_its_place_else_a_new_on
     );
     assert!(!closed_at_once(&mut silent[1]).await);
     assert!(!closed_at_once(&mut silent[2]).await);
-    // Now every connection within the cap has made a request: one more is closed at once,
-    // and the others go on being served.
-    for s in &mut silent[1..] {
+    // Now every connection within the cap has made a request and waits for the next: a new
+    // one takes the place of the one idle longest (`fresh`, whose request ended first), and
+    // the others go on being served.
+    let mut served = silent.split_off(1);
+    for s in &mut served {
         let answer = livez(s).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
+    let mut next = TcpStream::connect(h.addr).await.unwrap();
+    let answer = livez(&mut next).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(closed_at_once(&mut fresh).await, "the one idle longest");
+    for s in &mut served {
+        let answer = livez(s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    // With a request in flight on each, none is idle: one more is closed at once, and the
+    // requests in flight are answered.
+    drop((served, next));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let mut busy = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(h.addr).await.unwrap();
+        post_messages(&mut s).await;
+        busy.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.mock.request_count(), 3);
     let mut over = TcpStream::connect(h.addr).await.unwrap();
     let _ = over.write_all(LIVEZ).await;
     assert!(closed_at_once(&mut over).await, "over the cap");
-    let answer = livez(&mut fresh).await;
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    // Once a connection closes, its place is free for the next.
-    drop(silent);
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    for s in &mut busy {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf))
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    }
+    // Answered, they are idle: the next new one is served in the place of one of them.
     let mut next = TcpStream::connect(h.addr).await.unwrap();
     let answer = livez(&mut next).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
