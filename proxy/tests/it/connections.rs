@@ -108,15 +108,15 @@ async fn an_http2_connection_with_a_stream_open_is_not_idle() {
     drop(send);
 }
 
-/// Writes a Messages request on `s` without reading its answer.
-async fn post_messages(s: &mut TcpStream) {
+/// Writes a Messages request of `body` on `s` without reading its answer.
+async fn post_messages(s: &mut TcpStream, body: &str) {
     let head = format!(
         "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
          anthropic-version: 2023-06-01\r\nx-api-key: sk-client\r\ncontent-length: {}\r\n\r\n",
-        MESSAGES.len()
+        body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(MESSAGES.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]
@@ -163,7 +163,7 @@ async fn at_the_connection_cap_a_silent_then_an_idle_connection_gives_its_place_
     let mut busy = Vec::new();
     for _ in 0..3 {
         let mut s = TcpStream::connect(h.addr).await.unwrap();
-        post_messages(&mut s).await;
+        post_messages(&mut s, MESSAGES).await;
         busy.push(s);
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -200,13 +200,7 @@ async fn a_client_that_does_not_read_is_cut_at_the_write_timeout_and_frees_its_s
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut reader = socket.connect(h.addr).await.unwrap();
-    let head = format!(
-        "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-         anthropic-version: 2023-06-01\r\nx-api-key: sk-client\r\ncontent-length: {}\r\n\r\n",
-        MESSAGES_STREAM.len()
-    );
-    reader.write_all(head.as_bytes()).await.unwrap();
-    reader.write_all(MESSAGES_STREAM.as_bytes()).await.unwrap();
+    post_messages(&mut reader, MESSAGES_STREAM).await;
     // The stream fills the buffers and waits on the client: it holds the one slot.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(h.mock.request_count(), 1);
