@@ -149,6 +149,10 @@ impl fmt::Debug for GateConfig {
     }
 }
 
+/// How much later a closing must put a closed gate's reopening to count as an extension in
+/// [`Gate::closings`]: more than the difference of two processes' clocks.
+const SAME_CLOSING: Duration = Duration::from_millis(100);
+
 /// The gate's shared state.
 pub(crate) struct Gate {
     pub(crate) config: GateConfig,
@@ -204,13 +208,19 @@ impl Gate {
         let until = now + wait;
         let mut closed = self.lock();
         if until > closed.until {
+            // A closing that moves a closed gate's reopening by less than clocks differ
+            // between processes is the same closing come back (its announcement through the
+            // shared store): in force, not counted again.
+            let open = closed.until <= now;
+            if open || until > closed.until + SAME_CLOSING {
+                self.closings.fetch_add(1, Ordering::Relaxed);
+            }
             *closed = Closed {
                 until,
                 spread: self.config.spread_for(announced.max(wait)),
                 announced: announced.max(wait),
             };
             self.maybe_closed.store(true, Ordering::Release);
-            self.closings.fetch_add(1, Ordering::Relaxed);
             return Some(until);
         }
         None
@@ -393,5 +403,39 @@ impl Future for GateWait {
                 None => return Poll::Ready(Ok(())),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A closing counts once: the same closing come back a few milliseconds later (as its
+    /// announcement through the shared store does, on another clock) moves the deadline but
+    /// is not counted; an extension past that, or a closing of an open gate, is.
+    #[tokio::test(start_paused = true)]
+    async fn a_closing_come_back_on_another_clock_is_not_counted_again() {
+        let gate = Gate::new(GateConfig::new());
+        let now = Instant::now();
+        assert_eq!(
+            gate.close(now, Duration::from_secs(3)),
+            Some(now + Duration::from_secs(3))
+        );
+        assert_eq!(gate.closings(), 1);
+        let echo = Duration::from_millis(3_002);
+        assert_eq!(gate.close_spread(now, echo, echo), Some(now + echo));
+        assert_eq!(gate.closings(), 1);
+        assert_eq!(gate.closed_until(), Some(now + echo));
+        // Not later: nothing moves.
+        assert_eq!(gate.close(now, Duration::from_secs(2)), None);
+        // Later by more than clocks differ: an extension, counted.
+        let longer = Duration::from_secs(4);
+        assert_eq!(gate.close(now, longer), Some(now + longer));
+        assert_eq!(gate.closings(), 2);
+        // Open again, any closing counts.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let now = Instant::now();
+        assert!(gate.close(now, Duration::from_millis(50)).is_some());
+        assert_eq!(gate.closings(), 3);
     }
 }

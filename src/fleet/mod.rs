@@ -775,7 +775,9 @@ impl Fleet {
     }
 
     /// How many times the gate was closed, or its closing extended, when it is on: over every
-    /// scope of a fleet kept per scope (a scope's handle reads its own).
+    /// scope of a fleet kept per scope (a scope's handle reads its own). An extension counts
+    /// when it moves the reopening by more than 100 ms: a closing that comes back through
+    /// Redis, dated on another clock, is the same closing.
     pub fn gate_closings(&self) -> Option<u64> {
         let mut sum = self.gate()?.closings();
         if let Some(scopes) = &self.inner.scopes {
