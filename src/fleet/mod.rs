@@ -390,6 +390,7 @@ mod redis;
 mod scope;
 mod store;
 mod ticket;
+mod token_cost;
 mod token_ticket;
 mod tokens;
 
@@ -407,11 +408,11 @@ pub use self::pacing::{PacingConfig, PacingWake};
 pub use self::redis::{RedisFleet, RedisState};
 pub use self::scope::ScopeKey;
 pub(crate) use self::ticket::Ticket;
+pub use self::token_cost::InputCounter;
+pub(crate) use self::token_cost::{read_usage, Cost, Usage};
 pub(crate) use self::token_ticket::{TokenTicket, UsageTap};
-pub(crate) use self::tokens::{read_usage, Cost, TokenPacer, Usage};
-pub use self::tokens::{
-    InputCounter, TokenBucketStats, TokenPacingConfig, TokenPacingStats, TokenWake,
-};
+pub(crate) use self::tokens::TokenPacer;
+pub use self::tokens::{TokenBucketStats, TokenPacingConfig, TokenPacingStats, TokenWake};
 pub use crate::provider::ratelimit::TokenKind;
 
 use self::budget::SharedBudget;

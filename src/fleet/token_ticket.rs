@@ -8,7 +8,8 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep};
 
 use super::store::RemoteTokens;
-use super::tokens::{Admit, Cost, TokensOutcome};
+use super::token_cost::Cost;
+use super::tokens::{Admit, TokensOutcome};
 use super::Fleet;
 
 /// A place in the line for tokens: head-of-line order, bounded like the pacing line (the
