@@ -3,7 +3,8 @@
 //!
 //! The mock runs in this process. In front of it, each its own child process (so its CPU
 //! time and peak RSS are its own): the proxy (the release binary, its default configuration,
-//! logs at `warn`); a bare pass-through proxy made of the
+//! logs at `warn`: a worker thread per core); the same with `worker_threads = 1` (`proxy1`,
+//! one event loop as nginx's one worker); a bare pass-through proxy made of the
 //! same hyper server and hyper-util client, with nothing else (this binary again, see
 //! `support/floor.rs`); and nginx `proxy_pass` with upstream keep-alive and one worker,
 //! when `nginx` is on `PATH` (skipped with a notice when it is not). A load generator
@@ -18,7 +19,8 @@
 //!   what any of them serves;
 //! - each process's peak RSS (`VmHWM`), overload steps included.
 //!
-//! Writes `target/bench/proxy.json`.
+//! Writes `target/bench/proxy.json`. `PROXY_BENCH_ONLY=closed` runs the closed loop alone,
+//! three times over, and writes nothing.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -229,6 +231,18 @@ async fn bench() {
     )
     .expect("config");
     let proxy_proc = ProxyProcess::start(&config, "warn");
+    // The same proxy on one worker thread, as nginx has one worker process: the CPU per
+    // request of one event loop against another.
+    let config1 = dir.join("proxy-bench-1.toml");
+    let port1 = free_port();
+    std::fs::write(
+        &config1,
+        format!(
+            "listen = \"127.0.0.1:{port1}\"\nworker_threads = 1\n\n[[upstream]]\nname = \"anthropic\"\nkind = \"anthropic\"\nurl = \"{direct}\"\n"
+        ),
+    )
+    .expect("config");
+    let proxy1_proc = ProxyProcess::start(&config1, "warn");
     let bare = floor::start_bare(free_port(), &direct);
     let nginx = floor::start_nginx(free_port(), &mock.addr().to_string(), &dir);
     let mut paths = vec![Path {
@@ -248,6 +262,11 @@ async fn bench() {
         base: format!("http://{}", SocketAddr::from(([127, 0, 0, 1], port))),
         pid: Some(proxy_proc.0.id()),
     });
+    paths.push(Path {
+        name: "proxy1",
+        base: format!("http://{}", SocketAddr::from(([127, 0, 0, 1], port1))),
+        pid: Some(proxy1_proc.0.id()),
+    });
     let c = client();
     for p in &paths {
         let mut up = false;
@@ -263,6 +282,31 @@ async fn bench() {
         let _ = open_loop(&c, &p.base, JSON_BODY, 500.0, 0.5).await;
     }
     let n = paths.len();
+
+    // `PROXY_BENCH_ONLY=closed`: the closed loop alone, three times over, for a quick
+    // comparison of CPU per request; nothing written.
+    if std::env::var("PROXY_BENCH_ONLY").is_ok_and(|v| v == "closed") {
+        for round in 1..=3 {
+            println!("closed loop, 64 connections, 1 KiB JSON, 3 s (round {round} of 3):");
+            for p in &paths {
+                let cpu0 = p.pid.and_then(cpu_time);
+                let (rps, errors) = closed_loop(&p.base, JSON_BODY, 64, 3.0).await;
+                let cpu = match (cpu0, p.pid.and_then(cpu_time)) {
+                    (Some(a), Some(b)) if rps > 0.0 => {
+                        Some((b - a).as_secs_f64() * 1e6 / (rps * 3.0))
+                    }
+                    _ => None,
+                };
+                println!(
+                    "  {:<6} {rps:.0} /s | errors {errors} | CPU per request {} µs",
+                    p.name,
+                    show(cpu, 1)
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        return;
+    }
 
     // [path][rate] -> (p50, p99, errors); the generator's lag at each rate.
     let mut open = vec![Vec::new(); n];
@@ -385,11 +429,12 @@ async fn bench() {
         .map(|p| p.pid.and_then(|pid| rss_kib(pid, "VmHWM:")))
         .collect();
     drop(proxy_proc);
+    drop(proxy1_proc);
     drop(bare);
     drop(nginx);
 
-    // The table: each path, and the proxy's figures over each floor's.
-    let proxy = n - 1;
+    // The table: each path, and each proxy's figures over each floor's.
+    let proxies = [n - 2, n - 1];
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
@@ -435,14 +480,17 @@ async fn bench() {
     );
     row("peak RSS, MiB", &|i| show(mib(peak[i]), 1));
     println!();
-    for f in 1..proxy {
-        println!(
-            "proxy / {}: CPU per request {}×, closed-loop throughput {}×, peak RSS {}×",
-            paths[f].name,
-            show(ratio(closed[proxy].2, closed[f].2), 2),
-            show(Some(closed[proxy].0 / closed[f].0), 2),
-            show(ratio(mib(peak[proxy]), mib(peak[f])), 2),
-        );
+    for proxy in proxies {
+        for f in 1..proxies[0] {
+            println!(
+                "{} / {}: CPU per request {}×, closed-loop throughput {}×, peak RSS {}×",
+                paths[proxy].name,
+                paths[f].name,
+                show(ratio(closed[proxy].2, closed[f].2), 2),
+                show(Some(closed[proxy].0 / closed[f].0), 2),
+                show(ratio(mib(peak[proxy]), mib(peak[f])), 2),
+            );
+        }
     }
 
     let per_path: serde_json::Map<String, serde_json::Value> = paths

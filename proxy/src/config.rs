@@ -18,6 +18,9 @@ use tower_llm_retry::RetryPolicy;
 /// The prefix of every environment variable the proxy reads.
 pub const ENV_PREFIX: &str = "LLM_RETRY_PROXY_";
 
+/// The most `worker_threads` can be: a thread and a runtime each.
+pub const MAX_WORKER_THREADS: usize = 1024;
+
 /// The whole configuration.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -65,6 +68,11 @@ pub struct Config {
     /// How long a shutdown waits for in-flight requests and streams before it cuts them.
     /// Defaults to 30 s.
     pub drain_timeout_secs: u64,
+    /// The threads that serve client connections, each a runtime of its own with its own
+    /// upstream connection pools: a connection, and the upstream connections its requests
+    /// use, stay on one thread, and a request wakes no other. A new connection goes to the
+    /// thread serving the fewest. `0` is one per core. Defaults to 0.
+    pub worker_threads: usize,
     /// How many tenants (upstream, credential), each with its own budget, gate and pacing,
     /// each upstream's fleet keeps apart; beyond it, a new tenant takes the place of one with
     /// no request in flight (with every one in flight, it shares the upstream's own state).
@@ -115,6 +123,7 @@ impl Default for Config {
             http2_keep_alive_secs: 20,
             write_timeout_secs: 30,
             drain_timeout_secs: 30,
+            worker_threads: 0,
             max_tenants: 1024,
             log_format: LogFormat::Text,
             client_token: None,
@@ -960,7 +969,7 @@ impl Config {
     }
 
     /// Applies `LLM_RETRY_PROXY_*` overrides from `vars`: `LISTEN`, `MAX_BODY_BYTES`,
-    /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `LOG_FORMAT`,
+    /// `MAX_CONCURRENT_REQUESTS`, `DRAIN_TIMEOUT_SECS`, `MAX_TENANTS`, `WORKER_THREADS`, `LOG_FORMAT`,
     /// `CLIENT_TOKEN`, `REDIS_URL`, `REDIS_PREFIX`, and per upstream `UPSTREAM_{NAME}_URL`, `UPSTREAM_{NAME}_POLICY`,
     /// `UPSTREAM_{NAME}_MAX_RETRIES`, `UPSTREAM_{NAME}_FALLBACK_AFTER_FAILURES`,
     /// `UPSTREAM_{NAME}_FALLBACK_AFTER_TIMEOUTS` (`NAME` upper-cased, `-` as `_`).
@@ -1007,6 +1016,9 @@ impl Config {
                 }
                 "MAX_TENANTS" => {
                     self.max_tenants = value.parse().map_err(|_| bad("expected a number"))?
+                }
+                "WORKER_THREADS" => {
+                    self.worker_threads = value.parse().map_err(|_| bad("expected a number"))?
                 }
                 "LOG_FORMAT" => {
                     self.log_format = match value.as_str() {
@@ -1108,6 +1120,11 @@ impl Config {
         }
         if self.max_tenants == 0 {
             return Err(ConfigError::new("max_tenants must be at least 1"));
+        }
+        if self.worker_threads > MAX_WORKER_THREADS {
+            return Err(ConfigError::new(format!(
+                "worker_threads must be at most {MAX_WORKER_THREADS} (0: one per core)"
+            )));
         }
         if self.body_timeout_secs == 0 {
             return Err(ConfigError::new(
@@ -1768,6 +1785,32 @@ mod tests {
         };
         c.validate().unwrap();
         assert_eq!(c.http2_keep_alive(), None);
+    }
+
+    #[test]
+    fn worker_threads_from_the_file_or_the_environment_and_bounded() {
+        assert_eq!(Config::default().worker_threads, 0);
+        let c = Config::from_toml("worker_threads = 3\n[[upstream]]\nname = \"a\"\n").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.worker_threads, 3);
+        let mut c = Config::default();
+        c.apply_env([("LLM_RETRY_PROXY_WORKER_THREADS".into(), "1".into())])
+            .unwrap();
+        assert_eq!(c.worker_threads, 1);
+        let e = c
+            .apply_env([("LLM_RETRY_PROXY_WORKER_THREADS".into(), "many".into())])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("WORKER_THREADS") && e.contains("a number"),
+            "{e}"
+        );
+        let c = Config {
+            worker_threads: MAX_WORKER_THREADS + 1,
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("worker_threads must be at most 1024"), "{e}");
     }
 
     /// Two OpenAI upstreams and one Anthropic upstream, for the failover checks.

@@ -4,17 +4,17 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1), `keep-alive`
 /// and `proxy-connection`, plus `host`, which the client sets from the upstream URL.
-const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-authenticate",
-    "host",
-    "keep-alive",
-    "proxy-connection",
+static HOP_BY_HOP: [HeaderName; 10] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::HOST,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
 ];
 
 /// Request headers that are the proxy's own and are stripped before forwarding.
@@ -46,28 +46,39 @@ pub(crate) const SDK_RETRY_COUNT_NAME: HeaderName = HeaderName::from_static(SDK_
 /// Removes hop-by-hop headers, those the `Connection` header names, and `keep-alive` /
 /// `proxy-connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the handful of names the map holds finds the few to drop: a hashed
-    // removal of every hop-by-hop name, most of them absent, cost more on every request
-    // and every response.
-    let mut drop: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| HOP_BY_HOP.contains(&n.as_str()))
-        .cloned()
-        .collect();
-    if drop.is_empty() {
+    // One pass over the handful of names the map holds finds the few to drop, with no list
+    // made and no hashed removal of a name that is absent: this runs on every request and
+    // every response.
+    let mut present = [false; HOP_BY_HOP.len()];
+    let mut any = false;
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+            any = true;
+        }
+    }
+    if !any {
         return;
     }
-    if drop.contains(&header::CONNECTION) {
-        drop.extend(
-            headers
-                .get_all(header::CONNECTION)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()),
-        );
+    // The names `Connection` lists, less the usual `keep-alive` and `close`, which are no
+    // header to remove here (`keep-alive` is one of ours already).
+    let named: Vec<HeaderName> = if present[0] {
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|n| !n.eq_ignore_ascii_case("keep-alive") && !n.eq_ignore_ascii_case("close"))
+            .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
+        headers.remove(name);
     }
-    for name in &drop {
+    for name in &named {
         headers.remove(name);
     }
 }

@@ -18,7 +18,8 @@
 //! [`body`] (the response copy, and the protocol's error when a stream fails after its commit
 //! point), [`envelope`]
 //! (the proxy's own errors in each API's format), [`metrics`]; [`config`] reads the TOML file
-//! and the environment; [`demo`] puts the proxy in front of the crate's mock.
+//! and the environment; [`demo`] puts the proxy in front of the crate's mock; [`workers`]
+//! are the threads the binary serves connections on.
 
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
@@ -36,8 +37,10 @@ pub mod metrics;
 pub mod routes;
 pub mod server;
 pub mod stack;
+pub mod workers;
 
 pub use crate::config::{
     CircuitConfig, Config, ConfigError, FallbackTarget, Kind, Preset, ResumeMode, Upstream,
 };
 pub use crate::server::Proxy;
+pub use crate::workers::Workers;

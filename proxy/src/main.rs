@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tower_llm_retry_proxy::config::LogFormat;
-use tower_llm_retry_proxy::{demo, Config, Proxy};
+use tower_llm_retry_proxy::{demo, Config, Proxy, Workers};
 
 /// The tower-llm-retry stack as an HTTP proxy: point an SDK's base URL at it.
 #[derive(Debug, Parser)]
@@ -37,7 +37,9 @@ fn main() -> ExitCode {
     if let Some(addr) = args.listen {
         config.listen = addr;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread()
+    // Accepting, signals, and the state's own work (Redis, the demo's mock); the connections
+    // are served on the workers `run` starts.
+    let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
@@ -94,6 +96,9 @@ async fn run(mut config: Config, demo: bool) -> Result<(), Box<dyn std::error::E
         ),
         Err(e) => tracing::warn!(error = %e, "cannot raise the file-descriptor limit"),
     }
+    let workers = Workers::start(config.worker_threads)
+        .map_err(|e| format!("cannot start the worker threads: {e}"))?;
+    tracing::info!(threads = workers.len(), "workers started");
     let proxy = Proxy::new(config)?;
     let shutdown = shutdown_signal()?;
     tracing::info!(%addr, "listening");
@@ -115,7 +120,7 @@ async fn run(mut config: Config, demo: bool) -> Result<(), Box<dyn std::error::E
             "Every third request the mock sees is overloaded first: see x-llm-retry-attempts."
         );
     }
-    proxy.serve(listener, shutdown).await?;
+    proxy.serve_on(listener, shutdown, &workers).await?;
     Ok(())
 }
 

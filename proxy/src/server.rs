@@ -8,6 +8,7 @@ use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -42,6 +43,7 @@ use crate::forward::{
 use crate::metrics::{reason_name, Metrics};
 use crate::routes::Routes;
 use crate::stack::{Peer, StackFactory, TenantId, TenantKeys, Tenants, UpstreamHead};
+use crate::workers::Workers;
 
 /// Response header: how many attempts the proxy made upstream.
 pub const ATTEMPTS: &str = "x-llm-retry-attempts";
@@ -197,10 +199,33 @@ impl Proxy {
 
     /// Serves on `listener` until `shutdown` completes, then stops accepting, lets requests
     /// and streams in flight finish for up to the drain deadline, and cuts what is left.
+    /// Connections are served on the runtime this runs on, as `tokio::spawn` places them.
     pub async fn serve(
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
+    ) -> io::Result<()> {
+        self.serve_with(listener, shutdown, None).await
+    }
+
+    /// [`serve`](Proxy::serve), each connection on one of `workers` (the one serving the
+    /// fewest), where it stays with what its requests start, its socket's readiness and the
+    /// upstream connections included: the binary's way, see [`crate::workers`]. Accepting, and the work the proxy's state
+    /// does apart from requests (Redis, for one), stay on the runtime this runs on.
+    pub async fn serve_on(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+        workers: &Workers,
+    ) -> io::Result<()> {
+        self.serve_with(listener, shutdown, Some(workers)).await
+    }
+
+    async fn serve_with(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+        workers: Option<&Workers>,
     ) -> io::Result<()> {
         let config = &self.state.config;
         let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -276,11 +301,31 @@ impl Proxy {
                     Ok::<_, Infallible>(res.map(|inner| conn::Tracked::new(inner, open)))
                 }
             });
-            let io = conn::WriteTimeout::new(tcp, write_timeout);
-            let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
+            // On a worker, the socket goes to that worker's reactor: left with this runtime's,
+            // its every readiness would wake the worker from this thread.
+            let socket = match workers {
+                None => Socket::Here(tcp),
+                Some(_) => match tcp.into_std() {
+                    Ok(std) => Socket::Moving(std),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "a new connection could not be handed on");
+                        continue;
+                    }
+                },
+            };
+            let builder = builder.clone();
             let mut stop = stop_tx.subscribe();
-            conns.spawn(async move {
+            let task = async move {
                 let _slot = slot;
+                let tcp = match socket.arrive() {
+                    Ok(tcp) => tcp,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "a new connection could not be served");
+                        return;
+                    }
+                };
+                let io = conn::WriteTimeout::new(tcp, write_timeout);
+                let conn = builder.serve_connection(TokioIo::new(io), svc);
                 let mut conn = std::pin::pin!(conn);
                 // Until the first request no timeout of hyper's runs: HTTP/1's header
                 // timeout starts once the protocol is known, and a connection that sends
@@ -330,7 +375,11 @@ impl Proxy {
                         }
                     }
                 }
-            });
+            };
+            match workers {
+                Some(workers) => workers.spawn(&mut conns, task),
+                None => drop(conns.spawn(task)),
+            }
             // Reap finished connections so the set does not grow.
             while conns.try_join_next().is_some() {}
         }
@@ -347,6 +396,24 @@ impl Proxy {
         }
         conns.shutdown().await;
         Ok(())
+    }
+}
+
+/// A client socket on its way to the task that serves it.
+enum Socket {
+    /// Registered with the reactor of the runtime the task runs on.
+    Here(tokio::net::TcpStream),
+    /// Taken off the accepting runtime's reactor, to be registered with the worker's.
+    Moving(std::net::TcpStream),
+}
+
+impl Socket {
+    /// The socket, registered with the reactor of the runtime this is called on.
+    fn arrive(self) -> io::Result<tokio::net::TcpStream> {
+        match self {
+            Socket::Here(tcp) => Ok(tcp),
+            Socket::Moving(std) => tokio::net::TcpStream::from_std(std),
+        }
     }
 }
 
@@ -419,13 +486,25 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(Limited::new(body, cap));
+    // The usual body is one chunk that came with the head: no list, and no timer for a frame
+    // (or the end) already here.
+    let mut first: Option<Bytes> = None;
     let mut chunks: Vec<Bytes> = Vec::new();
     loop {
-        let idle = Instant::now() + BODY_IDLE_TIMEOUT;
-        let until = deadline.map_or(idle, |d| idle.min(d));
-        let frame = match tokio::time::timeout_at(until, body.frame()).await {
-            Err(_) if until == idle => return Err(BodyError::Stalled),
-            Err(_) => return Err(BodyError::TooSlow),
+        let here = std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await;
+        let next = match here {
+            Poll::Ready(next) => Ok(next),
+            Poll::Pending => {
+                let idle = Instant::now() + BODY_IDLE_TIMEOUT;
+                let until = deadline.map_or(idle, |d| idle.min(d));
+                tokio::time::timeout_at(until, body.frame())
+                    .await
+                    .map_err(|_| until == idle)
+            }
+        };
+        let frame = match next {
+            Err(true) => return Err(BodyError::Stalled),
+            Err(false) => return Err(BodyError::TooSlow),
             Ok(None) => break,
             Ok(Some(Ok(frame))) => frame,
             Ok(Some(Err(e))) => {
@@ -446,14 +525,17 @@ where
                 if !reservation.grow(data.len()) {
                     return Err(BodyError::OverBudget);
                 }
-                chunks.push(data);
+                match first.take() {
+                    None if chunks.is_empty() => first = Some(data),
+                    earlier => chunks.extend(earlier.into_iter().chain([data])),
+                }
             }
         }
     }
-    Ok(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().expect("one chunk"),
-        _ => Bytes::from(chunks.concat()),
+    Ok(match first {
+        Some(only) => only,
+        None if chunks.is_empty() => Bytes::new(),
+        None => Bytes::from(chunks.concat()),
     })
 }
 
@@ -1076,9 +1158,9 @@ where
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
         if let Some(f) = self.first.take() {
-            return std::task::Poll::Ready(Some(Ok(f)));
+            return Poll::Ready(Some(Ok(f)));
         }
         std::pin::Pin::new(&mut self.rest).poll_frame(cx)
     }

@@ -26,6 +26,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use rustls::RootCertStore;
+use thread_local::ThreadLocal;
 use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower::util::BoxCloneSyncService;
@@ -46,8 +47,6 @@ pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 /// One upstream's full stack.
 pub type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<UpstreamBody>, BoxError>;
 
-type Inner = BoxCloneSyncService<Request<ReplayBody>, Response<UpstreamBody>, BoxError>;
-
 /// The hyper-util client for upstreams.
 pub type HttpClient = Client<HttpsConnector<HttpConnector>, ReplayBody>;
 
@@ -55,8 +54,9 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, ReplayBody>;
 #[derive(Debug, Clone, Copy)]
 pub struct UpstreamHead(pub Duration);
 
-/// Builds the HTTPS (and plain HTTP) client for `up`: TCP_NODELAY, ALPN h2 and http/1.1.
-pub fn client(up: &Upstream) -> Result<HttpClient, ConfigError> {
+/// Builds the HTTPS (and plain HTTP) client for `up`: TCP_NODELAY, ALPN h2 and http/1.1, a
+/// connection pool per thread.
+pub fn client(up: &Upstream) -> Result<ThreadClients, ConfigError> {
     let mut roots = RootCertStore::empty();
     match up.roots {
         Roots::Webpki => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
@@ -103,7 +103,38 @@ pub fn client(up: &Upstream) -> Result<HttpClient, ConfigError> {
         .enable_http1()
         .enable_http2()
         .wrap_connector(tcp);
-    Ok(Client::builder(TokioExecutor::new()).build(https))
+    Ok(ThreadClients {
+        builder: Client::builder(TokioExecutor::new()),
+        connector: https,
+        clients: Arc::new(ThreadLocal::new()),
+    })
+}
+
+/// One upstream's client as each thread has it: the same connector (TLS roots, timeouts)
+/// and settings, and a connection pool of the thread's own, made the first time the thread
+/// sends. On the proxy's workers (a current-thread runtime each, see [`crate::workers`]) an
+/// upstream connection is then opened, driven and reused on the thread of the requests it
+/// carries, and no answer wakes another thread; each worker keeps its own idle connections,
+/// as each nginx worker does.
+#[derive(Clone)]
+pub struct ThreadClients {
+    builder: hyper_util::client::legacy::Builder,
+    connector: HttpsConnector<HttpConnector>,
+    clients: Arc<ThreadLocal<HttpClient>>,
+}
+
+impl std::fmt::Debug for ThreadClients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadClients").finish_non_exhaustive()
+    }
+}
+
+impl ThreadClients {
+    /// This thread's client.
+    pub fn get(&self) -> &HttpClient {
+        self.clients
+            .get_or(|| self.builder.build(self.connector.clone()))
+    }
 }
 
 /// The client headers, forwarded as they are, that can make the upstream answer `401` to a
@@ -123,7 +154,7 @@ const REQUEST_SCOPED: [&str; 4] = [
 #[derive(Clone)]
 pub struct Peer {
     upstream: Arc<Upstream>,
-    client: HttpClient,
+    client: ThreadClients,
     pool: Option<Arc<ApiKeyPool>>,
     /// What names the proxy's own keys in a Redis scope: every replica holding the same
     /// keys shares one fleet for them (only a hash of it reaches Redis).
@@ -357,7 +388,7 @@ struct Route {
     authority: Authority,
     /// The upstream URL's path, without a trailing slash.
     prefix: String,
-    client: HttpClient,
+    client: ThreadClients,
     name: Arc<str>,
     /// The upstream's attempt series, looked up once.
     series: Arc<UpstreamSeries>,
@@ -478,10 +509,10 @@ fn build(
     let routes = Routes(routes.into());
     let timed = {
         tower::service_fn(move |req: Request<ReplayBody>| {
-            // `request` borrows the client only to start: no clone per attempt.
+            // `request` borrows this thread's client only to start: no clone per attempt.
             let route = routes.pick(req.uri());
             let start = Instant::now();
-            let sent = route.client.request(req);
+            let sent = route.client.get().request(req);
             let series = route.series.clone();
             async move {
                 let res = sent.await;
@@ -494,19 +525,18 @@ fn build(
             }
         })
     };
-    let mut inner: Inner = BoxCloneSyncService::new(timed);
-    if let Some(pool) = &own.pool {
-        inner = boxed(AuthLayer::new(pool.clone()).layer(inner));
-    }
-    if up.overflow_repair {
-        let mut overflow = ContextOverflowLayer::new();
-        if let Some(model) = &up.context_window_fallback {
+    let auth = own.pool.as_ref().map(|pool| AuthLayer::new(pool.clone()));
+    let overflow = up.overflow_repair.then(|| {
+        let overflow = ContextOverflowLayer::new();
+        match &up.context_window_fallback {
             // Inside the fallback layer, so that `ModelUsed` names the model that served.
-            overflow = overflow.context_window_fallback(model.clone());
+            Some(model) => overflow.context_window_fallback(model.clone()),
+            None => overflow,
         }
-        inner = boxed(overflow.layer(inner));
-    }
-    if !chain.is_empty() {
+    });
+    let fallback = if chain.is_empty() {
+        None
+    } else {
         let mut layer = ModelFallbackLayer::new(chain)
             .and_then(|l| l.threshold(up.fallback_threshold))
             .map_err(|e| at(&e))?;
@@ -529,8 +559,16 @@ fn build(
                 .collect();
             metrics.watch_circuits(&up.name, layer.clone(), labels);
         }
-        inner = boxed(layer.layer(inner));
-    }
+        Some(layer)
+    };
+    // The layers a configuration leaves out are `Either`'s other side, not a box: the stack
+    // under the retry loop is one concrete type, cloned per request without an allocation,
+    // its futures and response bodies unboxed (every layer passes the body through).
+    let inner = tower::ServiceBuilder::new()
+        .option_layer(fallback)
+        .option_layer(overflow)
+        .option_layer(auth)
+        .service(timed);
     let retry = RetryLayer::new()
         .policy(up.retry_policy())
         .body_limit(body_limit)
@@ -548,20 +586,6 @@ fn build(
         },
     );
     Ok((BoxCloneSyncService::new(svc), names))
-}
-
-fn boxed<S, B>(svc: S) -> Inner
-where
-    S: tower::Service<Request<ReplayBody>, Response = Response<B>> + Clone + Send + Sync + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    BoxCloneSyncService::new(
-        svc.map_err(Into::into)
-            .map_response(|r: Response<B>| r.map(|b| b.map_err(Into::into).boxed_unsync())),
-    )
 }
 
 /// Which tenant a request belongs to: a keyed hash of its credential headers, 128 bits from

@@ -4,6 +4,7 @@ use std::future::{self, Future};
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -122,6 +123,7 @@ impl MockServerBuilder {
                 bucket: script.capacity.as_ref().map(|c| c.bucket()),
                 requests: Vec::new(),
             }),
+            accepted: AtomicUsize::new(0),
         });
         let shutdown = CancellationToken::new();
         let settings = Arc::new(Settings {
@@ -276,6 +278,12 @@ impl MockServer {
         self.shared.lock().requests.len()
     }
 
+    /// The number of connections accepted so far, over TCP (before any TLS handshake): how
+    /// many connections a client opened, which tells a client's pooling.
+    pub fn connection_count(&self) -> usize {
+        self.shared.accepted.load(Ordering::Relaxed)
+    }
+
     /// Appends a step to the script.
     pub fn push(&self, reply: Reply) {
         self.shared.lock().steps.push_back(reply);
@@ -314,6 +322,8 @@ impl fmt::Debug for MockServer {
 
 pub(super) struct Shared {
     state: Mutex<State>,
+    /// Connections accepted so far.
+    accepted: AtomicUsize,
 }
 
 struct State {
@@ -394,6 +404,7 @@ async fn accept_loop(
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    shared.accepted.fetch_add(1, Ordering::Relaxed);
                     // Each scripted frame goes out when written: Nagle's
                     // algorithm would hold a small write behind the client's
                     // delayed ACK, tens of milliseconds that paused time

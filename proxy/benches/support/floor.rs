@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 
 use bytes::Bytes;
 use http_body_util::Full;
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -45,8 +46,10 @@ pub fn start_bare(port: u16, upstream: &str) -> Floor {
 }
 
 /// Serves as the bare pass-through proxy when [`BARE_ENV`] is set: hyper's server (auto,
-/// as the proxy's) and hyper-util's client, on the default multi-thread runtime, with no
-/// layer, no tenant, no metric and no log. Never returns then.
+/// as the proxy's) and hyper-util's client, threaded as the proxy is (a worker thread per
+/// core, each a current-thread runtime with its own upstream pool, a connection's socket
+/// handed to its worker's reactor), with no layer, no tenant, no metric and no log. Never
+/// returns then.
 pub fn bare_if_asked() {
     let Ok(spec) = std::env::var(BARE_ENV) else {
         return;
@@ -54,38 +57,48 @@ pub fn bare_if_asked() {
     let (port, upstream) = spec.split_once(' ').expect("port and upstream");
     let port: u16 = port.parse().expect("a port");
     let upstream: http::Uri = upstream.parse().expect("an upstream URL");
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(bare(port, upstream));
+    let workers = tower_llm_retry_proxy::Workers::start(0).expect("workers");
+    rt.block_on(bare(port, upstream, &workers));
     std::process::exit(0);
 }
 
-async fn bare(port: u16, upstream: http::Uri) {
-    use hyper::body::Incoming;
+thread_local! {
+    /// Each worker's own upstream pool, as the proxy's.
+    static CLIENT: Client<HttpConnector, Incoming> = {
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        Client::builder(TokioExecutor::new()).build(tcp)
+    };
+}
+
+async fn bare(port: u16, upstream: http::Uri, workers: &tower_llm_retry_proxy::Workers) {
     use hyper_util::rt::TokioIo;
     use hyper_util::server::conn::auto;
 
-    let mut tcp = HttpConnector::new();
-    tcp.set_nodelay(true);
-    let client: Client<HttpConnector, Incoming> = Client::builder(TokioExecutor::new()).build(tcp);
     let authority = upstream.authority().expect("an authority").clone();
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
         .expect("bind the bare proxy");
+    let mut conns = tokio::task::JoinSet::new();
     loop {
         let Ok((tcp, _)) = listener.accept().await else {
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        let (client, authority) = (client.clone(), authority.clone());
+        let Ok(tcp) = tcp.into_std() else {
+            continue;
+        };
+        let authority = authority.clone();
         let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
             let mut parts = req.uri().clone().into_parts();
             parts.scheme = Some(http::uri::Scheme::HTTP);
             parts.authority = Some(authority.clone());
             *req.uri_mut() = http::Uri::from_parts(parts).expect("a URI");
-            let sent = client.request(req);
+            let sent = CLIENT.with(|client| client.request(req));
             async move {
                 match sent.await {
                     Ok(res) => Ok::<_, std::convert::Infallible>(res.map(|b| {
@@ -106,11 +119,15 @@ async fn bare(port: u16, upstream: http::Uri) {
                 }
             }
         });
-        tokio::spawn(async move {
+        workers.spawn(&mut conns, async move {
+            let Ok(tcp) = tokio::net::TcpStream::from_std(tcp) else {
+                return;
+            };
             let _ = auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(tcp), svc)
                 .await;
         });
+        while conns.try_join_next().is_some() {}
     }
 }
 

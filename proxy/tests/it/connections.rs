@@ -315,3 +315,121 @@ async fn an_overload_answer_closes_its_connection_at_once() {
     assert_eq!(slow.await.unwrap(), 200);
     assert_eq!(h.messages(MESSAGES).await.status(), 200);
 }
+
+/// Sends `rounds` requests on each of `clients` (a connection each), one request at a time
+/// over all of them, and checks each answer is the upstream's own bytes.
+async fn one_at_a_time(base: &str, clients: &[HttpClient], rounds: usize, reply: &[u8]) {
+    for _ in 0..rounds {
+        for client in clients {
+            let req = Request::post(format!("{base}/v1/messages"))
+                .header("content-type", "application/json")
+                .header("x-api-key", "sk-test")
+                .header("anthropic-version", "2023-06-01")
+                .body(http_body_util::Full::from(MESSAGES))
+                .unwrap();
+            let res = client.request(req).await.unwrap();
+            assert_eq!(res.status(), 200);
+            let got = res.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(sha256(&got), sha256(reply));
+        }
+    }
+}
+
+/// A client that keeps its one connection alive between requests.
+fn kept_alive() -> HttpClient {
+    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+    tcp.set_nodelay(true);
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1)
+        .build(tcp)
+}
+
+// Real time: the workers' runtimes keep their own clocks.
+#[tokio::test]
+async fn on_workers_a_connection_and_the_upstream_connections_of_its_requests_stay_on_one_thread() {
+    use std::sync::Arc;
+    use tower_llm_retry_proxy::{Proxy, Workers};
+
+    let reply = br#"{"id":"msg_1","type":"message","content":[]}"#;
+    // On the test's one thread (`serve`): four client connections, one request at a time,
+    // share one pool, so the upstream sees one connection.
+    let mock = tower_llm_retry::mock::MockServer::start(Script::always(
+        Reply::status(200).body(&reply[..]),
+    ))
+    .await
+    .unwrap();
+    let config = config_for(&mock);
+    let h = serve(mock, config).await;
+    let clients: Vec<HttpClient> = (0..4).map(|_| kept_alive()).collect();
+    one_at_a_time(&h.url(""), &clients, 3, reply).await;
+    assert_eq!(h.mock.request_count(), 12);
+    assert_eq!(h.mock.connection_count(), 1);
+
+    // On two workers: the four connections go two to each, and each worker opens its own
+    // upstream connection, reused for all six requests it carries.
+    let mock = tower_llm_retry::mock::MockServer::start(Script::always(
+        Reply::status(200).body(&reply[..]),
+    ))
+    .await
+    .unwrap();
+    let config = config_for(&mock);
+    let listener = tokio::net::TcpListener::bind(config.listen).await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let workers = Arc::new(Workers::start(2).unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn({
+        let workers = workers.clone();
+        let proxy = Proxy::new(config).unwrap();
+        async move {
+            proxy
+                .serve_on(
+                    listener,
+                    async move {
+                        let _ = stopped.await;
+                    },
+                    &workers,
+                )
+                .await
+        }
+    });
+    let clients: Vec<HttpClient> = (0..4).map(|_| kept_alive()).collect();
+    one_at_a_time(&base, &clients, 3, reply).await;
+    assert_eq!(mock.request_count(), 12);
+    assert_eq!(workers.connections(), [2, 2]);
+    assert_eq!(mock.connection_count(), 2);
+
+    // A request in flight when the shutdown comes is answered; then every connection ends
+    // and no worker counts one.
+    mock.push(
+        Reply::status(200)
+            .body(&reply[..])
+            .delay(Duration::from_millis(300)),
+    );
+    let slow = {
+        let client = clients[0].clone();
+        let base = base.clone();
+        tokio::spawn(async move {
+            let req = Request::post(format!("{base}/v1/messages"))
+                .header("content-type", "application/json")
+                .header("x-api-key", "sk-test")
+                .header("anthropic-version", "2023-06-01")
+                .body(http_body_util::Full::from(MESSAGES))
+                .unwrap();
+            let res = client.request(req).await.unwrap();
+            (
+                res.status(),
+                res.into_body().collect().await.unwrap().to_bytes(),
+            )
+        })
+    };
+    while mock.request_count() < 13 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = stop.send(());
+    let (status, body) = slow.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(sha256(&body), sha256(reply));
+    served.await.unwrap().unwrap();
+    drop(clients);
+    assert_eq!(workers.connections(), [0, 0]);
+}
