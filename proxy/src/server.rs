@@ -342,6 +342,9 @@ impl Proxy {
                 let mut closing = false;
                 loop {
                     tokio::select! {
+                        // In order, with the connection first: no random start to draw on
+                        // every wake-up.
+                        biased;
                         res = conn.as_mut() => {
                             if let Err(e) = res {
                                 tracing::debug!(error = %e, "connection ended with an error");
