@@ -316,18 +316,22 @@ async fn an_overload_answer_closes_its_connection_at_once() {
     assert_eq!(h.messages(MESSAGES).await.status(), 200);
 }
 
+/// A Messages request to the proxy at `base`.
+fn messages_to(base: &str) -> Request<http_body_util::Full<Bytes>> {
+    Request::post(format!("{base}/v1/messages"))
+        .header("content-type", "application/json")
+        .header("x-api-key", "sk-test")
+        .header("anthropic-version", "2023-06-01")
+        .body(http_body_util::Full::from(MESSAGES))
+        .unwrap()
+}
+
 /// Sends `rounds` requests on each of `clients` (a connection each), one request at a time
 /// over all of them, and checks each answer is the upstream's own bytes.
 async fn one_at_a_time(base: &str, clients: &[HttpClient], rounds: usize, reply: &[u8]) {
     for _ in 0..rounds {
         for client in clients {
-            let req = Request::post(format!("{base}/v1/messages"))
-                .header("content-type", "application/json")
-                .header("x-api-key", "sk-test")
-                .header("anthropic-version", "2023-06-01")
-                .body(http_body_util::Full::from(MESSAGES))
-                .unwrap();
-            let res = client.request(req).await.unwrap();
+            let res = client.request(messages_to(base)).await.unwrap();
             assert_eq!(res.status(), 200);
             let got = res.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(sha256(&got), sha256(reply));
@@ -409,12 +413,7 @@ async fn on_workers_a_connection_and_the_upstream_connections_of_its_requests_st
         let client = clients[0].clone();
         let base = base.clone();
         tokio::spawn(async move {
-            let req = Request::post(format!("{base}/v1/messages"))
-                .header("content-type", "application/json")
-                .header("x-api-key", "sk-test")
-                .header("anthropic-version", "2023-06-01")
-                .body(http_body_util::Full::from(MESSAGES))
-                .unwrap();
+            let req = messages_to(&base);
             let res = client.request(req).await.unwrap();
             (
                 res.status(),
