@@ -5,6 +5,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 /// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1), `keep-alive`
 /// and `proxy-connection`, plus `host`, which the client sets from the upstream URL.
 static HOP_BY_HOP: [HeaderName; 10] = [
+    // First: `CONNECTION_AT`.
     header::CONNECTION,
     header::TE,
     header::TRAILER,
@@ -16,6 +17,9 @@ static HOP_BY_HOP: [HeaderName; 10] = [
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
 ];
+
+/// Where `connection` is in [`HOP_BY_HOP`].
+const CONNECTION_AT: usize = 0;
 
 /// Request headers that are the proxy's own and are stripped before forwarding.
 pub const RETRY_SWITCH: &str = "x-llm-retry";
@@ -50,19 +54,17 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // made and no hashed removal of a name that is absent: this runs on every request and
     // every response.
     let mut present = [false; HOP_BY_HOP.len()];
-    let mut any = false;
     for name in headers.keys() {
         if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
             present[i] = true;
-            any = true;
         }
     }
-    if !any {
+    if !present.contains(&true) {
         return;
     }
     // The names `Connection` lists, less the usual `keep-alive` and `close`, which are no
     // header to remove here (`keep-alive` is one of ours already).
-    let named: Vec<HeaderName> = if present[0] {
+    let named: Vec<HeaderName> = if present[CONNECTION_AT] {
         headers
             .get_all(header::CONNECTION)
             .iter()
@@ -176,6 +178,11 @@ mod tests {
         assert_eq!(names, ["anthropic-version", "x-api-key"]);
         let out = request_headers(h, true);
         assert!(!out.contains_key("x-api-key"));
+    }
+
+    #[test]
+    fn connection_is_where_the_removal_looks_for_it() {
+        assert_eq!(HOP_BY_HOP[CONNECTION_AT], header::CONNECTION);
     }
 
     #[test]

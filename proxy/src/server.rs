@@ -210,8 +210,9 @@ impl Proxy {
 
     /// [`serve`](Proxy::serve), each connection on one of `workers` (the one serving the
     /// fewest), where it stays with what its requests start, its socket's readiness and the
-    /// upstream connections included: the binary's way, see [`crate::workers`]. Accepting, and the work the proxy's state
-    /// does apart from requests (Redis, for one), stay on the runtime this runs on.
+    /// upstream connections included: the binary's way, see [`crate::workers`]. Accepting,
+    /// and the work the proxy's state does apart from requests (Redis, for one), stay on the
+    /// runtime this runs on.
     pub async fn serve_on(
         self,
         listener: TcpListener,
@@ -496,21 +497,21 @@ where
     loop {
         let here = std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await;
         let next = match here {
-            Poll::Ready(next) => Ok(next),
+            Poll::Ready(next) => next,
             Poll::Pending => {
                 let idle = Instant::now() + BODY_IDLE_TIMEOUT;
                 let until = deadline.map_or(idle, |d| idle.min(d));
-                tokio::time::timeout_at(until, body.frame())
-                    .await
-                    .map_err(|_| until == idle)
+                match tokio::time::timeout_at(until, body.frame()).await {
+                    Ok(next) => next,
+                    Err(_) if until == idle => return Err(BodyError::Stalled),
+                    Err(_) => return Err(BodyError::TooSlow),
+                }
             }
         };
         let frame = match next {
-            Err(true) => return Err(BodyError::Stalled),
-            Err(false) => return Err(BodyError::TooSlow),
-            Ok(None) => break,
-            Ok(Some(Ok(frame))) => frame,
-            Ok(Some(Err(e))) => {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(e)) => {
                 return Err(
                     if e.downcast_ref::<http_body_util::LengthLimitError>()
                         .is_some()
@@ -528,9 +529,11 @@ where
                 if !reservation.grow(data.len()) {
                     return Err(BodyError::OverBudget);
                 }
-                match first.take() {
-                    None if chunks.is_empty() => first = Some(data),
-                    earlier => chunks.extend(earlier.into_iter().chain([data])),
+                if first.is_none() && chunks.is_empty() {
+                    first = Some(data);
+                } else {
+                    chunks.extend(first.take());
+                    chunks.push(data);
                 }
             }
         }
