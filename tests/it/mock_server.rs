@@ -611,7 +611,7 @@ async fn shutdown_ends_every_task() {
             "connection still open"
         );
     }
-    assert!(TcpStream::connect(server.addr()).await.is_err());
+    assert!(crate::common::refuses(server.addr()));
 }
 
 #[tokio::test(start_paused = true)]
@@ -631,7 +631,7 @@ async fn drop_ends_every_task() {
     drop(server);
     settle().await;
     assert_eq!(metrics.num_alive_tasks(), before);
-    assert!(TcpStream::connect(addr).await.is_err());
+    assert!(crate::common::refuses(addr));
 }
 
 #[tokio::test(start_paused = true)]

@@ -97,7 +97,7 @@ async fn shutdown_drains_a_stream_in_flight() {
         )
         .await;
     assert_eq!(ready.status(), 503);
-    assert!(tokio::net::TcpStream::connect(h.addr).await.is_err());
+    assert!(refuses(h.addr));
     // The stream in flight finishes whole.
     let rest = body
         .collect()
