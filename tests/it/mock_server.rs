@@ -18,6 +18,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tower_llm_retry::mock::{sse, Capacity, MockServer, Reply, Script, SseFrame};
 
+use crate::common::listener::refuses;
+
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
 fn client() -> HttpClient {
@@ -611,7 +613,7 @@ async fn shutdown_ends_every_task() {
             "connection still open"
         );
     }
-    assert!(crate::common::refuses(server.addr()));
+    assert!(refuses(server.addr()));
 }
 
 #[tokio::test(start_paused = true)]
@@ -631,7 +633,7 @@ async fn drop_ends_every_task() {
     drop(server);
     settle().await;
     assert_eq!(metrics.num_alive_tasks(), before);
-    assert!(crate::common::refuses(addr));
+    assert!(refuses(addr));
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,6 +1,11 @@
 //! The harness: the mock, the proxy in front of it, and a plain hyper-util client.
 #![allow(dead_code)]
 
+#[path = "../../../tests/common/listener.rs"]
+mod listener;
+
+pub use listener::refuses;
+
 use std::net::SocketAddr;
 
 use bytes::Bytes;
@@ -230,26 +235,4 @@ pub async fn start_pair(
 /// A mock's base URL, without the trailing slash, as a config's `url` takes it.
 pub fn base_url(mock: &MockServer) -> String {
     mock.url("").trim_end_matches('/').to_owned()
-}
-
-/// Whether nothing at `addr` serves a new connection: it is refused, or it ends without a
-/// byte of answer. The second is for a moment the kernel allows: a child process another test
-/// is starting holds a copy of every descriptor of this one between its fork and its exec, a
-/// listener closed here included, so a connection can still be queued on that listener until
-/// the exec closes it and resets what it queued. Blocking on purpose: the runtime, and with it
-/// paused time, stands still meanwhile, so a listener still open here would never answer
-/// either, and the read's deadline ends the wait with `false`.
-pub fn refuses(addr: std::net::SocketAddr) -> bool {
-    use std::io::{ErrorKind, Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
-        return true;
-    };
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .unwrap();
-    let _ = stream.write_all(b"GET /livez HTTP/1.1\r\nhost: test\r\n\r\n");
-    match stream.read(&mut [0u8; 1]) {
-        Ok(n) => n == 0,
-        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
-    }
 }
